@@ -1,0 +1,101 @@
+"""H2OConfig: what to keep in the KV cache, validated once at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+POLICIES = ("h2o", "local", "sink", "random", "full")
+
+# StreamingLLM keeps four "attention sink" tokens; the `sink` policy uses that unless told otherwise.
+DEFAULT_SINK_POLICY_SINKS = 4
+
+
+@dataclass
+class H2OConfig:
+    """How an H2O cache is sized and which tokens it evicts.
+
+    Args:
+        budget: float in (0, 1] = fraction of the total sequence (prompt + new tokens) kept per layer and
+            KV head; int >= 1 = that many cache slots.
+        recent_ratio: fraction of the capacity reserved for the most recent tokens (the paper splits the
+            budget evenly between recent tokens and heavy hitters).
+        sink_tokens: the first ``sink_tokens`` positions are never evicted. ``None`` means 0, or 4 for the
+            ``sink`` policy (StreamingLLM).
+        policy: ``h2o`` (evict the smallest accumulated attention), ``local`` (oldest first),
+            ``sink`` (sinks, then oldest first), ``random`` (seeded), ``full`` (never evict).
+        prefill: ``"full"`` processes the prompt as one block (exact prompt outputs; temporary memory
+            grows with the prompt) then compresses to the capacity; an int ``c`` feeds the prompt in chunks
+            of ``c`` tokens so memory stays at capacity + c.
+        seed: seed of the ``random`` policy.
+    """
+
+    budget: Union[float, int] = 0.2
+    recent_ratio: float = 0.5
+    sink_tokens: Optional[int] = None
+    policy: str = "h2o"
+    prefill: Union[str, int] = "full"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
+            raise TypeError(f"budget must be a float in (0, 1] or an int >= 1, got {self.budget!r}")
+        if isinstance(self.budget, float) and not (0.0 < self.budget <= 1.0):
+            raise ValueError(
+                f"budget={self.budget!r}: a float budget is a fraction of the sequence and must be in (0, 1]; "
+                "pass an int for a fixed number of cache slots"
+            )
+        if isinstance(self.budget, int) and self.budget < 1:
+            raise ValueError(f"budget={self.budget!r}: an int budget is a number of cache slots and must be >= 1")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} is not supported; choose one of {', '.join(POLICIES)}")
+        if not isinstance(self.recent_ratio, (int, float)) or not (0.0 <= self.recent_ratio <= 1.0):
+            raise ValueError(f"recent_ratio={self.recent_ratio!r} must be a number in [0, 1]")
+        if self.sink_tokens is None:
+            self.sink_tokens = DEFAULT_SINK_POLICY_SINKS if self.policy == "sink" else 0
+        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens={self.sink_tokens!r} must be an int >= 0")
+        if self.policy == "local" and self.sink_tokens:
+            raise ValueError(
+                f"policy='local' keeps no sinks but sink_tokens={self.sink_tokens}; use policy='sink' instead"
+            )
+        if isinstance(self.prefill, str):
+            if self.prefill != "full":
+                raise ValueError(f"prefill={self.prefill!r} must be 'full' or an int chunk size >= 1")
+        elif isinstance(self.prefill, bool) or not isinstance(self.prefill, int) or self.prefill < 1:
+            raise ValueError(f"prefill={self.prefill!r} must be 'full' or an int chunk size >= 1")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r} must be an int >= 0")
+        if isinstance(self.budget, int):
+            self._check_split(self.budget)
+
+    def capacity(self, total_len: int) -> int:
+        """Cache slots C for a sequence of ``total_len`` tokens (prompt + new tokens).
+
+        ``full`` keeps everything (C = total_len); an int budget is C itself, capped at total_len
+        because more slots than tokens would only waste memory.
+        """
+        if isinstance(total_len, bool) or not isinstance(total_len, int) or total_len < 1:
+            raise ValueError(f"total_len={total_len!r} must be an int >= 1")
+        if self.policy == "full":
+            return total_len
+        if isinstance(self.budget, int):
+            cap = min(self.budget, total_len)
+        else:
+            cap = max(1, math.ceil(self.budget * total_len))
+        self._check_split(cap)
+        return cap
+
+    def recent_window(self, capacity: int) -> int:
+        """R = max(1, round(C x recent_ratio)): the newest R positions are never evicted."""
+        return max(1, round(capacity * self.recent_ratio))
+
+    def _check_split(self, capacity: int) -> None:
+        recent = self.recent_window(capacity)
+        if self.sink_tokens + recent > capacity:
+            raise ValueError(
+                f"sink_tokens ({self.sink_tokens}) + recent window ({recent} = round({capacity} x "
+                f"recent_ratio {self.recent_ratio})) exceeds the cache capacity {capacity}; "
+                "raise the budget or lower sink_tokens / recent_ratio"
+            )

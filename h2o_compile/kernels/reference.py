@@ -1,0 +1,230 @@
+"""The executable specification of H2O attention, in plain PyTorch.
+
+Every backend (the Triton kernels, the ONNX function, the compiled CPU graph) must compute what this file
+computes; ../DESIGN.md section 2 states it in words. The state of one layer is static-shape:
+
+    key_cache   [B, Hkv, C, D]   keys after RoPE, model dtype
+    value_cache [B, Hkv, C, Dv]
+    score_cache [B, Hkv, C]      accumulated attention A[p], fp32
+    pos_cache   [B, Hkv, C]      int64 token position held by the slot, -1 = empty
+
+One call appends a block of T >= 1 new tokens (a prompt, a prompt chunk or one decode token):
+attend over (kept keys + causal block), add the probability mass every key received (summed over the
+block's queries and over the query heads of its KV group) to its score, then evict down to C slots.
+
+Slots are stable: a kept entry never moves, and kept new tokens fill the freed slots in increasing slot
+order. The decode fast path (T = 1) therefore writes the new token straight into the evicted slot, which is
+also what the Triton decode kernel does, so every backend produces the same layout.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+POLICY_CODES = {"h2o": 0, "local": 1, "sink": 2, "random": 3, "full": 4}
+
+_LEHMER_MOD = 2147483647  # 2^31 - 1, prime: a Lehmer generator over it is a cheap integer hash
+_LEHMER_MUL = 48271
+
+
+class H2OState(NamedTuple):
+    """One layer's cache; see the module docstring for shapes."""
+
+    key_cache: Tensor
+    value_cache: Tensor
+    score_cache: Tensor
+    pos_cache: Tensor
+
+
+def empty_state(batch, kv_heads, capacity, head_dim, *, value_dim=None, dtype=torch.float32, device=None):
+    """An empty cache: zeros, scores 0, every position -1."""
+    value_dim = head_dim if value_dim is None else value_dim
+    return H2OState(
+        torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device),
+        torch.zeros(batch, kv_heads, capacity, value_dim, dtype=dtype, device=device),
+        torch.zeros(batch, kv_heads, capacity, dtype=torch.float32, device=device),
+        torch.full((batch, kv_heads, capacity), -1, dtype=torch.int64, device=device),
+    )
+
+
+def random_priority(pos: Tensor, seed: int) -> Tensor:
+    """Seeded pseudo-random eviction priority of each position, computed with integer ops only so that
+    every backend (Triton, ONNX) can reproduce it bit for bit. [...] int64 -> same shape float32."""
+    x = (pos * 2654435761 + seed * 7919 + 1) % _LEHMER_MOD
+    x = (x * _LEHMER_MUL) % _LEHMER_MOD
+    x = (x * _LEHMER_MUL) % _LEHMER_MOD
+    return x.to(torch.float32)
+
+
+def eviction_priority(
+    policy: str, scores: Tensor, pos: Tensor, newest: Tensor, recent: int, sinks: int, seed: int
+) -> Tensor:
+    """How much each entry deserves to stay (larger stays); ties are broken by position outside.
+
+    Args:
+        scores: [B, Hkv, S] fp32 accumulated attention.
+        pos: [B, Hkv, S] int64 positions, -1 for an empty slot.
+        newest: [B, 1, 1] int64, t1 = the newest position of the block in each row.
+    Returns:
+        [B, Hkv, S] fp32: +inf for protected entries (sinks and the recent window), -inf for empty slots.
+    """
+    if policy == "h2o":
+        key = scores
+    elif policy == "random":
+        key = random_priority(pos, seed)
+    elif policy in ("local", "sink", "full"):
+        key = pos.to(torch.float32)  # oldest first; `full` never evicts when sized right
+    else:
+        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICY_CODES)}")
+    protected = (pos < sinks) | (pos > newest - recent)
+    key = torch.where(protected, torch.full_like(key, float("inf")), key)
+    return torch.where(pos < 0, torch.full_like(key, float("-inf")), key)
+
+
+def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: Tensor,
+           query_valid: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Masked attention that also returns the probability mass each key received.
+
+    Args:
+        q: [B, Hq, T, D]; keys: [B, Hkv, S, D]; values: [B, Hkv, S, Dv]
+        key_pos: [B, Hkv, S] int64 (-1 = nothing there); query_pos: [B, T]; query_valid: [B, T] bool.
+    Returns:
+        out [B, Hq, T, Dv] in q's dtype (zeros for invalid queries) and mass [B, Hkv, S] fp32 =
+        sum over valid queries t and query heads g of the group of P_{t,g}(key).
+    """
+    b, hq, t, d = q.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    qg = q.reshape(b, hkv, group, t, d).float()                                  # [B, Hkv, G, T, D]
+    logits = torch.einsum("bhgtd,bhsd->bhgts", qg, keys.float()) * scale        # [B, Hkv, G, T, S]
+    visible = (key_pos[:, :, None, None, :] >= 0) & (
+        key_pos[:, :, None, None, :] <= query_pos[:, None, None, :, None]
+    )                                                                            # [B, Hkv, 1, T, S]
+    visible = visible & query_valid[:, None, None, :, None]
+    # A row with nothing visible (a padding query) must not produce NaN: softmax over a finite floor, then zero.
+    logits = logits.masked_fill(~visible, torch.finfo(torch.float32).min)
+    probs = torch.softmax(logits, dim=-1) * visible                              # [B, Hkv, G, T, S]
+    out = torch.einsum("bhgts,bhsd->bhgtd", probs, values.float())
+    mass = probs.sum(dim=(2, 3))                                                 # [B, Hkv, S]
+    return out.reshape(b, hq, t, values.shape[-1]).to(q.dtype), mass
+
+
+def _block_inputs(k, positions, valid):
+    b, hkv, t, _ = k.shape
+    if valid is None:
+        valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
+    new_pos = torch.where(valid, positions, torch.full_like(positions, -1))     # [B, T]
+    newest = new_pos.amax(dim=1).view(b, 1, 1)                                  # t1 per row
+    return valid, new_pos[:, None, :].expand(b, hkv, t), newest
+
+
+def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
+                  state: H2OState, *, scale: float, recent: int, sinks: int, policy: str,
+                  seed: int = 0) -> tuple[Tensor, H2OState]:
+    """Functional H2O attention over one block of T >= 1 new tokens (the general path).
+
+    Args:
+        q: [B, Hq, T, D]; k: [B, Hkv, T, D]; v: [B, Hkv, T, Dv]
+        positions: [B, T] int64 true positions of the new tokens.
+        valid: [B, T] bool or None; False marks a padding token, which is never attended nor cached.
+        state: the layer's cache (C slots).
+    Returns:
+        out [B, Hq, T, Dv] and the new state. The block attends over C + T keys, so temporary memory grows
+        with T: a whole prompt (prefill "full") materialises [B, Hq, T, C + T] probabilities.
+    """
+    key_cache, value_cache, score_cache, pos_cache = state
+    cap = pos_cache.shape[-1]
+    valid, new_pos, newest = _block_inputs(k, positions, valid)
+    all_keys = torch.cat([key_cache, k.to(key_cache.dtype)], dim=2)             # [B, Hkv, C+T, D]
+    all_values = torch.cat([value_cache, v.to(value_cache.dtype)], dim=2)
+    all_pos = torch.cat([pos_cache, new_pos], dim=2)                            # [B, Hkv, C+T]
+    out, mass = attend(q, all_keys, all_values, all_pos, positions, valid, scale)
+    all_scores = torch.cat([score_cache, torch.zeros_like(new_pos, dtype=torch.float32)], dim=2) + mass
+
+    # Rank entries by (priority desc, position desc): two stable sorts, position first.
+    priority = eviction_priority(policy, all_scores, all_pos, newest, recent, sinks, seed)
+    by_pos = torch.sort(all_pos, dim=-1, descending=True, stable=True).indices
+    order = torch.sort(priority.gather(-1, by_pos), dim=-1, descending=True, stable=True).indices
+    ranked = by_pos.gather(-1, order)                                            # entries, best first
+    keep = torch.zeros_like(all_pos, dtype=torch.bool).scatter(
+        -1, ranked[..., :cap], True) & (all_pos >= 0)                            # [B, Hkv, C+T]
+
+    kept_old, kept_new = keep[..., :cap], keep[..., cap:]
+    freed = ~kept_old                                                            # [B, Hkv, C]
+    # The r-th freed slot receives the r-th kept new token (both counted in increasing order).
+    t = k.shape[2]
+    new_rank = torch.where(kept_new, kept_new.long().cumsum(-1) - 1, torch.full_like(new_pos, t))
+    source_by_rank = torch.full(new_pos.shape[:2] + (t + 1,), -1, dtype=torch.long, device=k.device)
+    source_by_rank.scatter_(-1, new_rank, torch.arange(t, device=k.device).expand_as(new_rank))
+    source_by_rank[..., t] = -1  # the overflow column collected the tokens that were not kept
+    free_rank = (freed.long().cumsum(-1) - 1).clamp(0, t)
+    source = torch.where(freed, source_by_rank.gather(-1, free_rank), torch.full_like(free_rank, -1))
+    filled = source >= 0                                                         # [B, Hkv, C]
+    src = cap + source.clamp(min=0)                                              # index into C+T entries
+
+    def take(entries: Tensor, empty_value) -> Tensor:
+        idx = src if entries.dim() == 3 else src[..., None].expand(-1, -1, -1, entries.shape[-1])
+        picked = entries.gather(2, idx)
+        old = entries[:, :, :cap]
+        mask = filled if entries.dim() == 3 else filled[..., None]
+        fresh = torch.where(mask, picked, torch.full_like(picked, empty_value))
+        keep_mask = kept_old if entries.dim() == 3 else kept_old[..., None]
+        return torch.where(keep_mask, old, fresh)
+
+    new_state = H2OState(take(all_keys, 0), take(all_values, 0), take(all_scores, 0.0), take(all_pos, -1))
+    return out, new_state
+
+
+def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
+                state: H2OState, *, scale: float, recent: int, sinks: int, policy: str,
+                seed: int = 0) -> Tensor:
+    """In-place H2O attention for one new token (T = 1): the decode step.
+
+    Same result as :func:`h2o_attention` with T = 1, without rebuilding the cache: the new token is written
+    into the first empty slot, else into the slot of the entry with the lowest (priority, position). No
+    ``.item()`` and no data-dependent branching, so a CUDA graph can capture it.
+
+    Args: as :func:`h2o_attention` with T = 1. Returns out [B, Hq, 1, Dv]; ``state`` is updated in place.
+    """
+    key_cache, value_cache, score_cache, pos_cache = state
+    valid, new_pos, newest = _block_inputs(k, positions, valid)                 # new_pos [B, Hkv, 1]
+    all_keys = torch.cat([key_cache, k.to(key_cache.dtype)], dim=2)
+    all_values = torch.cat([value_cache, v.to(value_cache.dtype)], dim=2)
+    all_pos = torch.cat([pos_cache, new_pos], dim=2)
+    out, mass = attend(q, all_keys, all_values, all_pos, positions, valid, scale)
+    scores = score_cache + mass[..., :-1]                                       # [B, Hkv, C]
+
+    priority = eviction_priority(policy, scores, pos_cache, newest, recent, sinks, seed)
+    lowest = priority == priority.amin(dim=-1, keepdim=True)
+    tie_pos = torch.where(lowest, pos_cache, torch.full_like(pos_cache, torch.iinfo(torch.int64).max))
+    slot = tie_pos.argmin(dim=-1, keepdim=True)                                 # [B, Hkv, 1]
+    # A padding token (valid False) leaves the cache as it was.
+    write = valid[:, None, :]                                                   # [B, 1, 1]
+
+    def put(buf: Tensor, new: Tensor) -> None:
+        idx = slot if buf.dim() == 3 else slot[..., None].expand(-1, -1, -1, buf.shape[-1])
+        old = buf.gather(2, idx)
+        mask = write if buf.dim() == 3 else write[..., None]
+        buf.scatter_(2, idx, torch.where(mask, new.to(buf.dtype), old))
+
+    score_cache.copy_(scores)
+    put(key_cache, k)
+    put(value_cache, v)
+    put(score_cache, mass[..., -1:])
+    put(pos_cache, new_pos)
+    return out
+
+
+def h2o_attention_(q, k, v, positions, valid, state: H2OState, *, scale, recent, sinks, policy, seed=0):
+    """In-place H2O attention: the decode fast path for T = 1, else the general path copied back."""
+    if q.shape[2] == 1:
+        return h2o_decode_(q, k, v, positions, valid, state, scale=scale, recent=recent, sinks=sinks,
+                           policy=policy, seed=seed)
+    out, new_state = h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
+                                   sinks=sinks, policy=policy, seed=seed)
+    for buf, new in zip(state, new_state):
+        buf.copy_(new)
+    return out

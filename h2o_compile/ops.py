@@ -1,0 +1,127 @@
+"""torch.library custom ops ``h2o::*``: the one op boundary torch.compile, torch.export and ONNX see.
+
+Two flavours of the same computation (see kernels/reference.py for the contract and shapes):
+
+- ``torch.ops.h2o.attention_`` mutates the layer's state in place and returns the attention output;
+  the PyTorch runtime uses it (static buffers, CUDA-graph friendly).
+- ``torch.ops.h2o.attention`` takes the state and returns ``(out, key_cache, value_cache, score_cache,
+  pos_cache)``; ONNX export uses it, because exported graphs cannot mutate their inputs.
+
+Backend choice: the reference op everywhere, or the Triton kernels for CUDA tensors when they are
+importable. ``H2O_COMPILE_BACKEND=reference|triton`` forces one for debugging.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .kernels import reference
+
+_BACKEND_ENV = "H2O_COMPILE_BACKEND"
+_BACKENDS = ("auto", "reference", "triton")
+
+
+def backend_for(device: torch.device) -> str:
+    """``reference`` or ``triton`` for tensors on ``device``, honouring ``H2O_COMPILE_BACKEND``."""
+    forced = os.environ.get(_BACKEND_ENV, "auto")
+    if forced not in _BACKENDS:
+        raise ValueError(f"{_BACKEND_ENV}={forced!r}; allowed: {', '.join(_BACKENDS)}")
+    if forced != "auto":
+        return forced
+    if device.type == "cuda" and _triton_available():
+        return "triton"
+    return "reference"
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
+                 key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
+                 recent: int, sinks: int, policy: str) -> None:
+    """Shape / dtype checks with messages that say what was expected (raised as ValueError)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be 4-D [B, H, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    b, hq, t, d = q.shape
+    hkv = k.shape[1]
+    if k.shape[0] != b or k.shape[2] != t or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} must be [B={b}, Hkv, T={t}, D={d}] to match q {tuple(q.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v {tuple(v.shape)} must share [B, Hkv, T] with k {tuple(k.shape)}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    if positions.shape != (b, t) or positions.dtype != torch.int64:
+        raise ValueError(f"positions must be int64 [B={b}, T={t}]; got {positions.dtype} {tuple(positions.shape)}")
+    if valid is not None and (valid.shape != (b, t) or valid.dtype != torch.bool):
+        raise ValueError(f"valid must be bool [B={b}, T={t}]; got {valid.dtype} {tuple(valid.shape)}")
+    cap = pos_cache.shape[-1] if pos_cache.dim() == 3 else -1
+    expected = {
+        "key_cache": (key_cache, (b, hkv, cap, d)),
+        "value_cache": (value_cache, (b, hkv, cap, v.shape[3])),
+        "score_cache": (score_cache, (b, hkv, cap)),
+        "pos_cache": (pos_cache, (b, hkv, cap)),
+    }
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape} (C = cache slots)")
+    if score_cache.dtype != torch.float32 or pos_cache.dtype != torch.int64:
+        raise ValueError(f"score_cache must be float32 and pos_cache int64; got {score_cache.dtype}, "
+                         f"{pos_cache.dtype}")
+    if policy not in reference.POLICY_CODES:
+        raise ValueError(f"policy={policy!r}; allowed: {', '.join(reference.POLICY_CODES)}")
+    if recent < 1 or sinks < 0 or recent + sinks > cap:
+        raise ValueError(f"need recent >= 1, sinks >= 0 and recent + sinks <= C={cap}; got recent={recent}, "
+                         f"sinks={sinks}")
+
+
+@torch.library.custom_op("h2o::attention_", mutates_args=("key_cache", "value_cache", "score_cache", "pos_cache"))
+def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
+               key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
+               scale: float, recent: int, sinks: int, policy: str, seed: int) -> Tensor:
+    """In-place H2O attention over a block of T new tokens. Returns out [B, Hq, T, Dv]."""
+    check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy)
+    state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
+    if backend_for(q.device) == "triton":
+        from .kernels import triton_ops
+
+        return triton_ops.h2o_attention_(q, k, v, positions, valid, state, scale=scale, recent=recent,
+                                         sinks=sinks, policy=policy, seed=seed)
+    return reference.h2o_attention_(q, k, v, positions, valid, state, scale=scale, recent=recent,
+                                    sinks=sinks, policy=policy, seed=seed)
+
+
+@attention_.register_fake
+def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
+      policy, seed):
+    return q.new_empty(q.shape[:3] + (v.shape[3],))
+
+
+@torch.library.custom_op("h2o::attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
+              key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
+              scale: float, recent: int, sinks: int, policy: str, seed: int
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Functional H2O attention: returns (out, key_cache, value_cache, score_cache, pos_cache), all new."""
+    check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy)
+    state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
+    out, new = reference.h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
+                                       sinks=sinks, policy=policy, seed=seed)
+    return (out,) + tuple(x.clone() if x is y else x for x, y in zip(new, state))
+
+
+@attention.register_fake
+def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
+      policy, seed):
+    out = q.new_empty(q.shape[:3] + (v.shape[3],))
+    return (out, torch.empty_like(key_cache), torch.empty_like(value_cache), torch.empty_like(score_cache),
+            torch.empty_like(pos_cache))

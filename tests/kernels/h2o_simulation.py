@@ -1,0 +1,67 @@
+"""An independent brute-force H2O simulation: the whole history kept, sets and dicts, float64, plain loops.
+
+Written from DESIGN.md section 2 without looking at kernels/reference.py; the tests compare every backend
+against it. One simulated cache per (batch row, KV head).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MOD = 2147483647
+
+
+def random_key(pos: int, seed: int) -> int:
+    x = (pos * 2654435761 + seed * 7919 + 1) % MOD
+    x = (x * 48271) % MOD
+    return (x * 48271) % MOD
+
+
+class SimulatedCache:
+    """Kept positions S and their scores A for one (row, KV head); keys/values of every token ever seen."""
+
+    def __init__(self, capacity, recent, sinks, policy, seed=0):
+        self.capacity, self.recent, self.sinks, self.policy, self.seed = capacity, recent, sinks, policy, seed
+        self.kept: set[int] = set()
+        self.score: dict[int, float] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def block(self, positions, q, k, v, scale):
+        """positions: list of valid new positions (ascending); q: [G, T, D]; k, v: [T, D] (float64).
+        Returns the outputs [G, T, Dv] for those positions."""
+        for j, p in enumerate(positions):
+            self.keys[p], self.values[p] = k[j], v[j]
+            self.score[p] = 0.0
+        new = set(positions)
+        outs = torch.zeros(q.shape[0], len(positions), v.shape[-1], dtype=torch.float64)
+        for i, t in enumerate(positions):
+            visible = sorted(self.kept | {p for p in new if p <= t})
+            keys = torch.stack([self.keys[p] for p in visible])
+            values = torch.stack([self.values[p] for p in visible])
+            for g in range(q.shape[0]):
+                logits = [float(q[g, i] @ key) * scale for key in keys]
+                top = max(logits)
+                weights = [math.exp(x - top) for x in logits]
+                total = sum(weights)
+                probs = [w / total for w in weights]
+                outs[g, i] = sum(pr * val for pr, val in zip(probs, values))
+                for p, pr in zip(visible, probs):
+                    self.score[p] += pr
+        self.kept |= new
+        if positions:
+            self._evict(newest=max(positions))
+        return outs
+
+    def _evict(self, newest):
+        while len(self.kept) > self.capacity and self.policy != "full":
+            candidates = [p for p in self.kept if not (p < self.sinks or p > newest - self.recent)]
+            if self.policy == "h2o":
+                victim = min(candidates, key=lambda p: (self.score[p], p))
+            elif self.policy == "random":
+                victim = min(candidates, key=lambda p: (random_key(p, self.seed), p))
+            else:  # local, sink: oldest first
+                victim = min(candidates)
+            self.kept.remove(victim)

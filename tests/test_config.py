@@ -1,0 +1,61 @@
+"""H2OConfig validation and capacity arithmetic."""
+
+import math
+
+import pytest
+
+from h2o_compile import H2OConfig
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(budget=0.0), "budget=0.0"),
+    (dict(budget=1.5), "budget=1.5"),
+    (dict(budget=-3), "budget=-3"),
+    (dict(budget=0), "budget=0"),
+    (dict(policy="lru"), "policy='lru'"),
+    (dict(recent_ratio=1.2), "recent_ratio=1.2"),
+    (dict(sink_tokens=-1), "sink_tokens=-1"),
+    (dict(policy="local", sink_tokens=4), "policy='local' keeps no sinks"),
+    (dict(prefill="chunked"), "prefill='chunked'"),
+    (dict(prefill=0), "prefill=0"),
+    (dict(seed=-1), "seed=-1"),
+    (dict(budget=4, sink_tokens=3), "exceeds the cache capacity 4"),
+])
+def test_bad_values_raise_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        H2OConfig(**kwargs)
+
+
+@pytest.mark.parametrize("budget", ["0.2", None, True, [0.2]])
+def test_budget_of_wrong_type_raises_type_error(budget):
+    with pytest.raises(TypeError, match="budget must be"):
+        H2OConfig(budget=budget)
+
+
+@pytest.mark.parametrize("budget,total", [(0.2, 100), (0.2, 101), (0.05, 7), (1.0, 33), (0.5, 1)])
+def test_float_budget_is_ceiling_of_fraction(budget, total):
+    assert H2OConfig(budget=budget).capacity(total) == max(1, math.ceil(budget * total))
+
+
+def test_int_budget_is_slots_capped_at_sequence():
+    cfg = H2OConfig(budget=64)
+    assert cfg.capacity(1000) == 64
+    assert cfg.capacity(10) == 10
+
+
+def test_policy_defaults():
+    assert H2OConfig(policy="sink").sink_tokens == 4
+    assert H2OConfig().sink_tokens == 0
+    assert H2OConfig(policy="full", budget=0.1).capacity(500) == 500
+
+
+@pytest.mark.parametrize("cap,ratio,expected", [(10, 0.5, 5), (7, 0.5, 4), (3, 0.0, 1), (9, 1.0, 9)])
+def test_recent_window(cap, ratio, expected):
+    assert H2OConfig(recent_ratio=ratio).recent_window(cap) == expected
+
+
+def test_capacity_rejects_bad_total():
+    with pytest.raises(ValueError, match="total_len=0"):
+        H2OConfig().capacity(0)
+    with pytest.raises(ValueError, match="exceeds the cache capacity"):
+        H2OConfig(budget=0.1, sink_tokens=4).capacity(20)
