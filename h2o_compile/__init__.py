@@ -2,6 +2,8 @@
 
 from . import ops  # noqa: F401  (registers torch.ops.h2o.*)
 from .config import H2OConfig
+from .runtime import H2OModel, optimize
+from .support import UnsupportedModelError
 
-__all__ = ["H2OConfig", "ops"]
+__all__ = ["H2OConfig", "H2OModel", "UnsupportedModelError", "optimize"]
 __version__ = "0.1.0"

@@ -1,0 +1,84 @@
+"""Capture a Hugging Face causal LM as an FX graph: torch.export (non-strict), use_cache=False, dynamic shapes.
+
+The captured graph computes ``logits = model(input_ids, position_ids)`` for a whole block of tokens with the
+model's own attention (SDPA or eager). The attention pass then turns it into H2O attention over explicit
+per-layer state. Weights are shared with the user's model, not copied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+_ATTN_IMPLS = ("sdpa", "eager")
+
+
+class _LogitsOnly(nn.Module):
+    """forward(input_ids, position_ids) -> logits [B, T, V], without a KV cache."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
+
+
+@contextlib.contextmanager
+def attention_implementation(model: nn.Module):
+    """Run the model with SDPA (or eager, when it supports only that) for the capture, then restore."""
+    config = model.config
+    before = getattr(config, "_attn_implementation", None)
+    if before in _ATTN_IMPLS:
+        yield before
+        return
+    try:
+        model.set_attn_implementation("sdpa")
+        chosen = "sdpa"
+    except (ValueError, ImportError, AttributeError):
+        model.set_attn_implementation("eager")
+        chosen = "eager"
+    try:
+        yield chosen
+    finally:
+        if before is not None:
+            with contextlib.suppress(ValueError, ImportError, AttributeError):
+                model.set_attn_implementation(before)
+
+
+def capture(model: nn.Module, example_len: int = 8, example_batch: int = 2) -> torch.fx.GraphModule:
+    """Export ``model`` to an FX GraphModule ``(input_ids [B, T], position_ids [B, T]) -> logits [B, T, V]``.
+
+    Batch and sequence length are dynamic. The returned module uses plain (non-pytree) calling conventions so
+    passes can add inputs and outputs.
+    """
+    if not hasattr(model, "config") or not hasattr(model.config, "vocab_size"):
+        raise TypeError(f"expected a transformers causal LM (with .config), got {type(model).__name__}")
+    model.eval()
+    max_pos = getattr(model.config, "max_position_embeddings", None) or 4096
+    device = next(model.parameters()).device
+    input_ids = torch.zeros(example_batch, example_len, dtype=torch.long, device=device)
+    position_ids = torch.arange(example_len, device=device).expand(example_batch, example_len).contiguous()
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    seq = torch.export.Dim("seq", min=1, max=max(example_len + 1, max_pos))
+    dynamic = {"input_ids": {0: batch, 1: seq}, "position_ids": {0: batch, 1: seq}}
+    with attention_implementation(model), torch.no_grad():
+        exported = torch.export.export(_LogitsOnly(model), (input_ids, position_ids), dynamic_shapes=dynamic,
+                                       strict=False)
+    gm = exported.module()
+    _flatten_calling_convention(gm)
+    return gm
+
+
+def _flatten_calling_convention(gm: torch.fx.GraphModule) -> None:
+    """Replace the pytree in/out spec of an exported module by plain positional inputs and one output."""
+    graph = gm.graph
+    # The unlifted module checks its inputs against the exported spec; the passes change the inputs.
+    gm._forward_pre_hooks.clear()
+    graph._codegen = torch.fx.graph.CodeGen()
+    output = next(n for n in graph.nodes if n.op == "output")
+    (result,) = torch.utils._pytree.tree_leaves(output.args)
+    output.args = (result,)
+    gm.recompile()

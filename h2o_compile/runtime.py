@@ -1,0 +1,212 @@
+"""H2OModel: a captured, rewritten model plus its static-shape H2O state; ``optimize`` builds one."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from . import generation
+from .capture import capture
+from .config import H2OConfig
+from .kernels.reference import empty_state
+from .passes import LayerSpec, find_attention_sites, rewrite_attention, set_h2o_params, state_names
+from .support import ModelLimits, UnsupportedModelError, check_sequence_fits, check_supported
+
+_COMPILE_CHOICES = ("auto", True, False)
+
+
+class H2OModel(nn.Module):
+    """A causal LM whose KV cache holds at most C slots per layer and KV head (see H2OConfig).
+
+    Use ``generate`` like transformers', or drive it yourself: ``reset(batch_size, max_seq_len)`` then
+    ``step(input_ids, attention_mask)`` once per block (a prompt, then one token at a time).
+    """
+
+    def __init__(self, model: nn.Module, graph: torch.fx.GraphModule, layers: list[LayerSpec], config: H2OConfig,
+                 limits: ModelLimits, compile: Union[str, bool] = "auto"):
+        super().__init__()
+        if compile not in _COMPILE_CHOICES:
+            raise ValueError(f"compile={compile!r}; allowed: 'auto', True, False")
+        self.model = model  # kept for .config / .generation_config; the graph shares its weights
+        self.graph = graph
+        self.layers = layers
+        self.h2o_config = config
+        self.limits = limits
+        self.compile_mode = compile
+        self.capacity: Optional[int] = None
+        self.max_seq_len: Optional[int] = None
+        self._fed = 0
+        self._params = None
+        self._compiled = {}
+        self.register_buffer("seen", torch.zeros(0, dtype=torch.long), persistent=False)
+
+    # -- state ---------------------------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def reset(self, batch_size: int, max_seq_len: int) -> None:
+        """Allocate empty caches of C = capacity(max_seq_len) slots for ``batch_size`` rows."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 1")
+        check_sequence_fits(self.limits, max_seq_len)
+        cfg = self.h2o_config
+        cap = cfg.capacity(max_seq_len)
+        params = dict(recent=cfg.recent_window(cap), sinks=cfg.sink_tokens, policy=cfg.policy, seed=cfg.seed)
+        if params != self._params:
+            set_h2o_params(self.graph, **params)
+            self._params = params
+            self._compiled.clear()  # the constants live in the graph code
+        device = self.device
+        for i, spec in enumerate(self.layers):
+            state = empty_state(batch_size, spec.kv_heads, cap, spec.head_dim, value_dim=spec.value_dim,
+                                dtype=spec.dtype, device=device)
+            for name, tensor in zip(state_names(i), state):
+                self.register_buffer(name, tensor, persistent=False)
+                if device.type == "cuda":
+                    torch._dynamo.mark_static_address(tensor)  # CUDA graphs replay on fixed addresses
+        self.seen = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.capacity, self.max_seq_len, self._fed = cap, max_seq_len, 0
+
+    def state(self) -> list[Tensor]:
+        """The flat state, per layer: key [B, Hkv, C, D], value, score [B, Hkv, C] fp32, position int64."""
+        if self.capacity is None:
+            raise RuntimeError("no cache yet: call reset(batch_size, max_seq_len) or generate() first")
+        return [getattr(self, name) for i in range(len(self.layers)) for name in state_names(i)]
+
+    def kept_positions(self, layer: int) -> Tensor:
+        """LongTensor [B, Hkv, C]: the token position held by each slot of ``layer``, -1 for an empty slot."""
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"layer={layer} out of range; the model has {len(self.layers)} layers")
+        self.state()
+        return getattr(self, state_names(layer)[3]).clone()
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the H2O state (keys, values, scores and positions) of all layers."""
+        return sum(t.numel() * t.element_size() for t in self.state())
+
+    def full_cache_bytes(self, batch_size: int, seq_len: int) -> int:
+        """Bytes a full KV cache (keys and values only, like transformers' caches) needs for the same model."""
+        return sum(batch_size * s.kv_heads * seq_len * (s.head_dim + s.value_dim) * s.dtype.itemsize
+                   for s in self.layers)
+
+    # -- running -------------------------------------------------------------------------------------------
+
+    def _run_graph(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor) -> Tensor:
+        return self.graph(input_ids, positions, valid, *state)
+
+    def _decode_fn(self):
+        """The one-token step, compiled once per (batch size, capacity) when compilation is on."""
+        use = self.compile_mode
+        if use == "auto":
+            use = self.device.type == "cuda"
+        if not use:
+            return self._run_graph
+        key = (int(self.seen.shape[0]), self.capacity)
+        if key not in self._compiled:
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._compiled[key] = torch.compile(self._run_graph, fullgraph=True, dynamic=False, mode=mode)
+        return self._compiled[key]
+
+    @torch.no_grad()
+    def step(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        """Append a block of tokens and return its logits.
+
+        Args:
+            input_ids: [B, T] (B as given to reset).
+            attention_mask: [B, T], 0 for (left) padding, or None for all ones.
+        Returns:
+            logits [B, T, V]; padding positions hold meaningless values.
+        """
+        state = self.state()
+        batch = self.seen.shape[0]
+        if input_ids.dim() != 2 or input_ids.shape[0] != batch:
+            raise ValueError(f"input_ids must be [batch={batch}, T] as given to reset(); got {tuple(input_ids.shape)}")
+        t = input_ids.shape[1]
+        if self._fed + t > self.max_seq_len:
+            raise ValueError(f"{self._fed} + {t} tokens exceed max_seq_len={self.max_seq_len} given to reset()")
+        input_ids = input_ids.to(self.device)
+        if attention_mask is None:
+            valid = torch.ones(batch, t, dtype=torch.bool, device=self.device)
+        else:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
+                                 f"{tuple(input_ids.shape)}")
+            valid = attention_mask.to(self.device).bool()
+        positions = (self.seen[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)   # [B, T]
+        self.seen += valid.sum(1)
+        self._fed += t
+        if t == 1:
+            return self._decode_fn()(input_ids, positions, valid, *state)
+        chunk = self.h2o_config.prefill
+        chunk = t if chunk == "full" else chunk
+        logits = [self._run_graph(input_ids[:, i:i + chunk], positions[:, i:i + chunk], valid[:, i:i + chunk],
+                                  *state) for i in range(0, t, chunk)]
+        return torch.cat(logits, dim=1)
+
+    def generate(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, max_new_tokens: int = 20,
+                 do_sample: bool = False, temperature: float = 1.0, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None, eos_token_id=None, pad_token_id=None, streamer=None,
+                 generator: Optional[torch.Generator] = None) -> Tensor:
+        """transformers-style generation with the H2O cache sized for prompt + max_new_tokens.
+
+        ``eos_token_id`` / ``pad_token_id`` default to the model's generation_config, as in transformers.
+        Returns [B, P + n]: the prompt followed by up to ``max_new_tokens`` new tokens.
+        """
+        defaults = getattr(self.model, "generation_config", None)
+        if eos_token_id is None and defaults is not None:
+            eos_token_id = defaults.eos_token_id
+        if pad_token_id is None and defaults is not None:
+            pad_token_id = defaults.pad_token_id
+        return generation.generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                   do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                                   eos_token_id=eos_token_id, pad_token_id=pad_token_id, streamer=streamer,
+                                   generator=generator)
+
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+        return self.step(input_ids, attention_mask)
+
+
+def build_graph(model: nn.Module, *, functional: bool = False):
+    """Capture ``model`` and rewrite its attention; returns (graph, layer specs, limits)."""
+    limits = check_supported(model)
+    graph = capture(model)
+    sites, declines = find_attention_sites(graph.graph)
+    name = type(model).__name__
+    if declines:
+        raise UnsupportedModelError(f"{name}: cannot serve these attention sites: " + "; ".join(map(str, declines)))
+    if len(sites) != limits.num_layers:
+        raise UnsupportedModelError(
+            f"{name}: found {len(sites)} attention sites for {limits.num_layers} layers; supported patterns are "
+            "aten.scaled_dot_product_attention (with or without repeat_kv / enable_gqa) and eager "
+            "matmul -> softmax -> matmul")
+    layers = rewrite_attention(graph, sites, functional=functional)
+    return graph, layers, limits
+
+
+def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio: float = 0.5,
+             sink_tokens: Optional[int] = None, policy: str = "h2o", prefill: Union[str, int] = "full",
+             seed: int = 0, compile: Union[str, bool] = "auto") -> H2OModel:
+    """Turn a transformers causal LM into an :class:`H2OModel` whose KV cache keeps ``budget`` of the sequence.
+
+    Args:
+        budget: float in (0, 1] (fraction of prompt + new tokens) or int (cache slots).
+        recent_ratio, sink_tokens, policy, prefill, seed: see :class:`H2OConfig`.
+        compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU),
+            ``"auto"`` does so on CUDA only (on CPU the compile time rarely pays for short runs).
+    """
+    config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
+                       prefill=prefill, seed=seed)
+    if compile not in _COMPILE_CHOICES:
+        raise ValueError(f"compile={compile!r}; allowed: 'auto', True, False")
+    graph, layers, limits = build_graph(model)
+    return H2OModel(model, graph, layers, config, limits, compile=compile)

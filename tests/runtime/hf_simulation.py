@@ -1,0 +1,55 @@
+"""Teacher-forced H2O simulation inside transformers itself: the model keeps its full DynamicCache and a
+custom attention function masks every key the brute-force simulation (tests/kernels/h2o_simulation.py) has
+evicted. Independent of the capture, the graph pass and the h2o ops."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from tests.kernels.h2o_simulation import SimulatedCache
+
+_SIMS: dict = {}
+
+
+def _h2o_sim_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [B, Hq, T, D]; key/value [B, Hkv, S, D] (the whole history). Returns ([B, T, Hq, Dv], None)."""
+    sims = _SIMS["by_layer"].setdefault(module.layer_idx, {})
+    b, hq, t, _ = query.shape
+    hkv, total = key.shape[1], key.shape[2]
+    group = hq // hkv
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.zeros(b, hq, t, value.shape[-1], dtype=torch.float64)
+    positions = list(range(total - t, total))
+    for row in range(b):
+        for h in range(hkv):
+            sim = sims.setdefault((row, h), SimulatedCache(**_SIMS["cache_args"]))
+            out[row, h * group:(h + 1) * group] = sim.block(
+                positions, query[row, h * group:(h + 1) * group].double(), key[row, h, total - t:].double(),
+                value[row, h, total - t:].double(), scale)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+transformers.AttentionInterface.register("h2o_sim", _h2o_sim_attention)
+
+
+@torch.no_grad()
+def simulate_logits(model, input_ids, blocks, *, capacity, recent, sinks, policy, seed=0):
+    """Feed ``input_ids`` [B, S] in blocks of the given sizes; returns logits [B, S, V] under simulated H2O."""
+    _SIMS.clear()
+    _SIMS.update(by_layer={}, cache_args=dict(capacity=capacity, recent=recent, sinks=sinks, policy=policy,
+                                              seed=seed))
+    before = model.config._attn_implementation
+    model.set_attn_implementation("h2o_sim")
+    try:
+        cache = transformers.DynamicCache(config=model.config)
+        logits, start = [], 0
+        for size in blocks:
+            block = input_ids[:, start:start + size]
+            positions = torch.arange(start, start + size).expand_as(block)
+            out = model(input_ids=block, position_ids=positions, past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+            start += size
+        return torch.cat(logits, dim=1)
+    finally:
+        model.set_attn_implementation(before)
