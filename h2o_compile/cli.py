@@ -1,0 +1,146 @@
+"""``h2o-compile``: demo | generate | eval | bench | export."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .config import POLICIES
+
+
+def parse_budget(text: str):
+    """'0.2' -> 0.2 (fraction), '256' -> 256 (slots)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"budget {text!r} must be a fraction like 0.2 or a slot count like 256")
+
+
+def parse_prefill(text: str):
+    if text == "full":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"prefill {text!r} must be 'full' or an int chunk size")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def load_local(path: str, dtype: str = "float32"):
+    """(model, tokenizer) from a local folder, never from a hub."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"error: --model {path!r} is not a folder with a config.json (only local models load)")
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch_dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return model, tokenizer
+
+
+def add_h2o_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", type=parse_budget, default=0.2, help="fraction of the sequence (0.2) or slots (256)")
+    p.add_argument("--policy", choices=POLICIES, default="h2o")
+    p.add_argument("--sink-tokens", type=int, default=None)
+    p.add_argument("--recent-ratio", type=float, default=0.5)
+    p.add_argument("--prefill", type=parse_prefill, default="full", help="'full' or a chunk size")
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    if args.backend == "onnx":
+        from .export.ort import H2OOrtModel
+
+        runner = H2OOrtModel.from_pretrained(args.model)
+        tokenizer = runner.tokenizer
+        if tokenizer is None:
+            raise SystemExit(f"error: {args.model} holds no tokenizer files")
+        kv_note = f"KV cache (H2O, ONNX Runtime): {human_bytes(runner.kv_cache_bytes())}"
+    else:
+        import h2o_compile
+
+        model, tokenizer = load_local(args.model, args.dtype)
+        runner = h2o_compile.optimize(model, args.budget, recent_ratio=args.recent_ratio,
+                                      sink_tokens=args.sink_tokens, policy=args.policy, prefill=args.prefill,
+                                      compile=args.compile)
+        kv_note = None
+    encoded = tokenizer(args.prompt, return_tensors="pt")
+    ids = encoded["input_ids"]
+    start = time.perf_counter()
+    out = runner.generate(ids, attention_mask=encoded.get("attention_mask"), max_new_tokens=args.max_new_tokens,
+                          do_sample=args.temperature > 0, temperature=max(args.temperature, 1e-5),
+                          top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed))
+    elapsed = time.perf_counter() - start
+    new = out.shape[1] - ids.shape[1]
+    print(tokenizer.decode(out[0], skip_special_tokens=True))
+    print("-" * 60)
+    if kv_note is None:
+        total = ids.shape[1] + args.max_new_tokens
+        kv_note = (f"KV cache: full {human_bytes(runner.full_cache_bytes(1, total))} vs H2O "
+                   f"{human_bytes(runner.kv_cache_bytes())} (capacity {runner.capacity} of {total} tokens, "
+                   f"policy {args.policy})")
+    print(kv_note)
+    print(f"{new} new tokens in {elapsed:.2f} s: {new / elapsed:.1f} tokens/s (prefill included)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="h2o-compile", description="H2O KV-cache eviction for Hugging Face LMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text with an H2O cache from a local model folder")
+    gen.add_argument("model", nargs="?", help="model folder (or the exported folder with --backend onnx)")
+    gen.add_argument("--model", dest="model_opt", help="model folder")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    gen.add_argument("--backend", choices=("torch", "onnx"), default="torch")
+    gen.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
+    add_h2o_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+_EXTRA_COMMANDS = []
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "command", None) == "generate":
+        args.model = args.model_opt or args.model
+        if not args.model:
+            parser.error("generate needs a model folder (--model PATH)")
+        args.compile = {"auto": "auto", "on": True, "off": False}[args.compile]
+    try:
+        return args.func(args)
+    except (ValueError, TypeError) as err:  # user input errors: one line, no stack trace
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The attention pass: it fires (counted), the rewritten graph equals eager transformers, and it declines
+what it cannot serve."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import h2o_compile
+from h2o_compile.capture import capture
+from h2o_compile.kernels.reference import empty_state
+from h2o_compile.passes import count_h2o_ops, find_attention_sites, rewrite_attention, set_h2o_params
+
+aten = torch.ops.aten
+
+
+def tiny_llama(attn="sdpa", layers=2):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      attn_implementation=attn)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def run_rewritten(gm, layers, ids, capacity):
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    state = [t for s in layers for t in empty_state(ids.shape[0], s.kv_heads, capacity, s.head_dim,
+                                                    value_dim=s.value_dim, dtype=s.dtype)]
+    return gm(ids, positions, valid, *state), state
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_pass_fires_once_per_layer_and_equals_eager(attn):
+    model = tiny_llama(attn, layers=3)
+    gm = capture(model)
+    sites, declines = find_attention_sites(gm.graph)
+    assert declines == []
+    assert [s.pattern for s in sites] == [attn] * 3
+    assert all(s.key.meta["val"].shape[1] == 2 for s in sites), "repeat_kv must be peeled: 2 KV heads stored"
+    assert all(math.isclose(s.scale, 8 ** -0.5) for s in sites)
+    layers = rewrite_attention(gm, sites, recent=4, sinks=0, policy="h2o", seed=0)
+    assert count_h2o_ops(gm) == len(layers) == 3
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert aten.scaled_dot_product_attention.default not in targets and aten.softmax.int not in targets
+    # The model's mask building (position_ids -> diff -> cumsum -> comparisons) is dead and gone.
+    assert aten.diff.default not in targets and aten.cumsum.default not in targets
+    ids = torch.randint(0, 64, (2, 11))
+    logits, _ = run_rewritten(gm, layers, ids, capacity=11)
+    torch.testing.assert_close(logits, model(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_functional_rewrite_returns_new_state_and_leaves_inputs():
+    model = tiny_llama()
+    gm = capture(model)
+    sites, _ = find_attention_sites(gm.graph)
+    layers = rewrite_attention(gm, sites, functional=True, recent=2, sinks=0, policy="h2o", seed=0)
+    ids = torch.randint(0, 64, (1, 9))
+    (logits, *new_state), state = run_rewritten(gm, layers, ids, capacity=4)
+    assert len(new_state) == 4 * len(layers)
+    assert all(torch.all(p == -1) for p in state[3::4]), "the functional graph must not mutate its inputs"
+    assert all((p >= 0).sum() == 2 * 4 for p in new_state[3::4])
+    torch.testing.assert_close(logits[:, :4], model(ids[:, :4]).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_set_h2o_params_updates_every_op():
+    model = tiny_llama()
+    gm = capture(model)
+    sites, _ = find_attention_sites(gm.graph)
+    rewrite_attention(gm, sites)
+    assert set_h2o_params(gm, recent=3, sinks=1, policy="random", seed=9) == 2
+    assert set_h2o_params(gm, recent=3, sinks=1, policy="random", seed=9) == 0
+    assert all(n.args[10:] == (3, 1, "random", 9) for n in gm.graph.nodes if "h2o" in str(n.target))
+
+
+class _Toy(torch.nn.Module):
+    """q/k/v projections + one attention variant, exported the way capture() exports models."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.variant = variant
+        self.proj = torch.nn.Linear(16, 16 + 8 + 8)
+
+    def forward(self, x, y):
+        b, t, _ = x.shape
+        q, k, v = self.proj(x).split([16, 8, 8], dim=-1)
+        q = q.view(b, t, 4, 4).transpose(1, 2)
+        k = k.view(b, t, 2, 4).transpose(1, 2)
+        v = v.view(b, t, 2, 4).transpose(1, 2)
+        if self.variant == "gqa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        if self.variant == "alibi":
+            bias = -torch.arange(t, dtype=x.dtype).view(1, 1, 1, t) * torch.ones(1, 4, t, 1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        if self.variant == "softcap":
+            logits = torch.tanh(q @ k.transpose(2, 3) / 30.0) * 30.0
+            return torch.softmax(logits, dim=-1) @ v
+        if self.variant == "cross":
+            kv = self.proj(y)[..., 16:]
+            k = kv[..., :8].reshape(b, y.shape[1], 2, 4).transpose(1, 2).repeat_interleave(2, 1)
+            v = kv[..., 8:].reshape(b, y.shape[1], 2, 4).transpose(1, 2).repeat_interleave(2, 1)
+            return F.scaled_dot_product_attention(q, k, v)
+        raise AssertionError(self.variant)
+
+
+def _toy_graph(variant):
+    seq, other = torch.export.Dim("seq", min=2, max=32), torch.export.Dim("other", min=2, max=32)
+    ep = torch.export.export(_Toy(variant), (torch.randn(1, 5, 16), torch.randn(1, 7, 16)),
+                             dynamic_shapes={"x": {1: seq}, "y": {1: other}}, strict=False)
+    return ep.module().graph
+
+
+def test_sdpa_with_enable_gqa_is_matched_with_kv_heads():
+    sites, declines = find_attention_sites(_toy_graph("gqa"))
+    assert declines == [] and len(sites) == 1
+    assert sites[0].key.meta["val"].shape[1] == 2
+
+
+@pytest.mark.parametrize("variant,reason", [
+    ("alibi", "additive float mask"),
+    ("softcap", "soft-capping"),
+    ("cross", "cross-attention"),
+])
+def test_unsupported_variants_are_declined_with_a_reason(variant, reason):
+    sites, declines = find_attention_sites(_toy_graph(variant))
+    assert sites == []
+    assert len(declines) == 1 and reason in declines[0].reason
+
+
+@pytest.mark.parametrize("config,match", [
+    (transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8), "soft-capping"),
+    (transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4), "ALiBi"),
+])
+def test_optimize_rejects_unsupported_models(config, match):
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(h2o_compile.UnsupportedModelError, match=match):
+        h2o_compile.optimize(model)

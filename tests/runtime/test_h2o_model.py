@@ -1,0 +1,128 @@
+"""H2OModel's API: state inspection, chunked prefill, sampling, EOS, streamer, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import h2o_compile
+
+from .arch_configs import VOCAB, build
+from .hf_simulation import simulate_logits
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build("llama", seed=5)
+
+
+def test_kept_positions_and_cache_bytes(llama):
+    opt = h2o_compile.optimize(llama, budget=0.25, compile=False)
+    ids = torch.randint(1, VOCAB, (3, 30))
+    opt.reset(3, 40)
+    assert opt.capacity == 10
+    assert torch.all(opt.kept_positions(0) == -1)
+    opt.step(ids)
+    kept = opt.kept_positions(1)
+    assert kept.shape == (3, 2, 10)
+    assert torch.all(kept >= 0) and torch.all(kept < 30)
+    assert set(range(25, 30)) <= set(kept[0, 0].tolist()), "the recent window (R = 5) is always kept"
+    per_layer = 3 * 2 * 10 * (8 + 8) * 4 + 3 * 2 * 10 * (4 + 8)  # head_dim 8; fp32 score + int64 position
+    assert opt.kv_cache_bytes() == 2 * per_layer
+    assert opt.full_cache_bytes(3, 40) == 2 * 3 * 2 * 40 * 16 * 4
+
+
+def test_chunked_prefill_equals_simulation_with_the_same_blocks(llama):
+    opt = h2o_compile.optimize(llama, budget=7, prefill=4, compile=False)
+    ids = torch.randint(1, VOCAB, (2, 16))
+    opt.reset(2, 16)
+    ours = torch.cat([opt.step(ids[:, :11])] + [opt.step(ids[:, i:i + 1]) for i in range(11, 16)], dim=1)
+    want = simulate_logits(llama, ids, [4, 4, 3, 1, 1, 1, 1, 1], capacity=7, recent=4, sinks=0, policy="h2o")
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+
+
+def test_sampling_is_seeded_and_top_k_one_is_greedy(llama):
+    opt = h2o_compile.optimize(llama, budget=0.5, compile=False)
+    ids = torch.randint(1, VOCAB, (2, 6))
+    a = opt.generate(ids, max_new_tokens=8, do_sample=True, top_p=0.9, generator=torch.Generator().manual_seed(1))
+    b = opt.generate(ids, max_new_tokens=8, do_sample=True, top_p=0.9, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(a, b)
+    greedy = opt.generate(ids, max_new_tokens=8)
+    top1 = opt.generate(ids, max_new_tokens=8, do_sample=True, top_k=1, temperature=0.7)
+    assert torch.equal(greedy, top1)
+
+
+def test_eos_stops_and_pads_like_transformers(llama):
+    opt = h2o_compile.optimize(llama, budget=1.0, compile=False)
+    ids = torch.randint(1, VOCAB, (2, 6))
+    free = opt.generate(ids, max_new_tokens=10, eos_token_id=None)
+    eos = int(free[0, 8])  # row 0 emits this token at its third step
+    ours = opt.generate(ids, max_new_tokens=10, eos_token_id=eos, pad_token_id=0)
+    theirs = llama.generate(ids, max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(ours, theirs)
+    assert ours[0, 9:].eq(0).all()
+
+
+def test_streamer_sees_prompt_then_each_token(llama):
+    class Collect:
+        def __init__(self):
+            self.chunks, self.ended = [], False
+
+        def put(self, value):
+            self.chunks.append(value.clone())
+
+        def end(self):
+            self.ended = True
+
+    opt = h2o_compile.optimize(llama, budget=0.5, compile=False)
+    ids = torch.randint(1, VOCAB, (1, 5))
+    streamer = Collect()
+    out = opt.generate(ids, max_new_tokens=4, streamer=streamer)
+    assert streamer.ended and len(streamer.chunks) == 5
+    assert torch.equal(torch.cat([c.view(1, -1) for c in streamer.chunks], dim=1), out)
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda opt: opt.generate(torch.randint(1, VOCAB, (1, 100)), max_new_tokens=40), ValueError,
+     "exceeds the model's max_position_embeddings=128"),
+    (lambda opt: opt.generate(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 1],
+                                                                                                [1, 1, 1, 0]])),
+     ValueError, "pad prompts on the left"),
+    (lambda opt: opt.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=0), ValueError, "max_new_tokens=0"),
+    (lambda opt: opt.generate(torch.ones(1, 4)), ValueError, "integer tensor"),
+    (lambda opt: opt.generate(torch.ones(1, 4, dtype=torch.long), do_sample=True, temperature=0), ValueError,
+     "temperature=0"),
+    (lambda opt: opt.kept_positions(0), RuntimeError, "call reset"),
+    (lambda opt: opt.reset(0, 10), ValueError, "batch_size=0"),
+    (lambda opt: (opt.reset(2, 8), opt.step(torch.ones(3, 2, dtype=torch.long))), ValueError, "batch=2"),
+    (lambda opt: (opt.reset(1, 4), opt.step(torch.ones(1, 5, dtype=torch.long))), ValueError,
+     "exceed max_seq_len=4"),
+])
+def test_errors_are_clear(llama, call, error, match):
+    opt = h2o_compile.optimize(llama, budget=0.5, compile=False)
+    with pytest.raises(error, match=match):
+        call(opt)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(budget=2.0), "budget=2.0"),
+    (dict(policy="lru"), "policy='lru'"),
+    (dict(compile="yes"), "compile='yes'"),
+])
+def test_optimize_rejects_bad_arguments(llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        h2o_compile.optimize(llama, **kwargs)
+
+
+def test_optimize_rejects_non_models():
+    with pytest.raises(TypeError, match="causal LM"):
+        h2o_compile.optimize(torch.nn.Linear(2, 2))
+
+
+def test_sliding_window_longer_than_sequence_is_served_and_beyond_is_an_error():
+    model = build("mistral")
+    model.config.sliding_window = 16
+    opt = h2o_compile.optimize(model, budget=1.0, compile=False)
+    opt.generate(torch.randint(1, VOCAB, (1, 6)), max_new_tokens=10)
+    with pytest.raises(h2o_compile.UnsupportedModelError, match="sliding window \\(16\\)"):
+        opt.generate(torch.randint(1, VOCAB, (1, 6)), max_new_tokens=11)
