@@ -100,6 +100,59 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _csv(kind):
+    def parse(text):
+        try:
+            return [kind(x) for x in text.split(",") if x]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} must be a comma-separated list of {kind.__name__}")
+    return parse
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from .eval_report import write_eval_report
+    from .evaluation import EvalSettings, evaluate, read_tail
+
+    bad = [p for p in args.policies if p not in POLICIES]
+    if bad:
+        raise ValueError(f"--policies {bad} not supported; choose from {', '.join(POLICIES)}")
+    if "full" in args.policies:
+        args.policies = ["full"] + [p for p in args.policies if p != "full"]
+    torch.manual_seed(0)
+    model, tokenizer = _model_or_tiny(args.model)
+    settings = EvalSettings(budgets=args.budgets, policies=args.policies, seq_len=args.seq_len,
+                            num_seqs=args.num_seqs, batch_size=args.batch_size, prompt_len=args.prompt_len,
+                            gen_prompt_len=args.gen_prompt_len, gen_new_tokens=args.gen_new_tokens,
+                            gen_prompts=args.gen_prompts, compile=args.compile != "off")
+    texts = [read_tail(path, args.tail) for path in args.text]
+    start = time.perf_counter()
+    result = evaluate(model, tokenizer, texts, settings)
+    elapsed = time.perf_counter() - start
+    paths = write_eval_report(result, args.out, model_name=Path(args.model).name if args.model else "tiny-llama",
+                              text_names=[f"{Path(p).name} (last {args.tail:.0%})" for p in args.text],
+                              elapsed_s=elapsed)
+    print(paths["markdown"].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _model_or_tiny(path):
+    if path:
+        return load_local(path)
+    from .zoo import load_tiny
+
+    return load_tiny()
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(out_dir=args.out, new_tokens=args.max_new_tokens, budget=args.budget)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h2o-compile", description="H2O KV-cache eviction for Hugging Face LMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -119,12 +172,29 @@ def build_parser() -> argparse.ArgumentParser:
     add_h2o_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub)
+    ev = sub.add_parser("eval", help="perplexity and generation agreement vs budget, per policy")
+    ev.add_argument("--model", default=None, help="model folder (default: the shipped tiny model)")
+    ev.add_argument("--text", nargs="+", required=True, help="text file(s) to evaluate on")
+    ev.add_argument("--tail", type=float, default=1.0, help="use only the last fraction of each file (0.1)")
+    ev.add_argument("--budgets", type=_csv(float), default=[0.05, 0.1, 0.2, 0.5, 1.0])
+    ev.add_argument("--policies", type=_csv(str), default=["full", "h2o", "local", "sink", "random"])
+    ev.add_argument("--seq-len", type=int, default=1024)
+    ev.add_argument("--num-seqs", type=int, default=8)
+    ev.add_argument("--batch-size", type=int, default=8)
+    ev.add_argument("--prompt-len", type=int, default=32)
+    ev.add_argument("--gen-prompt-len", type=int, default=512)
+    ev.add_argument("--gen-new-tokens", type=int, default=128)
+    ev.add_argument("--gen-prompts", type=int, default=4)
+    ev.add_argument("--compile", choices=("on", "off"), default="on")
+    ev.add_argument("--out", default="docs/results/eval")
+    ev.set_defaults(func=cmd_eval)
+
+    demo = sub.add_parser("demo", help="offline demo: the shipped model, full cache vs H2O at 20%%")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--budget", type=float, default=0.2)
+    demo.add_argument("--out", default="docs/results/demo")
+    demo.set_defaults(func=cmd_demo)
     return parser
-
-
-_EXTRA_COMMANDS = []
 
 
 def main(argv=None) -> int:

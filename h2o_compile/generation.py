@@ -34,7 +34,7 @@ def _eos_tensor(eos_token_id, device) -> Optional[Tensor]:
     if eos_token_id is None:
         return None
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    return torch.tensor(ids, device=device)
+    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None  # [] = never stop early
 
 
 def next_tokens(logits: Tensor, *, do_sample: bool, temperature: float, top_k: Optional[int],

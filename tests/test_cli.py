@@ -3,23 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from h2o_compile.cli import main
-from tests.runtime.arch_configs import VOCAB, build
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny")
-    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 2)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(folder)
-    build("llama").save_pretrained(folder)
-    return folder
 
 
 def test_generate_prints_text_memory_and_speed(model_dir, capsys):

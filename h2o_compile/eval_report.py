@@ -1,0 +1,50 @@
+"""Turn an EvalResult into the three files people look at: JSON, a markdown table and the paper's plot."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from .evaluation import EvalResult
+from .report import command_line, machine_description, markdown_table, plot_lines, write_json
+
+
+def result_rows(result: EvalResult):
+    full_ppl = result.perplexity.get("full", {}).get(1.0)
+    rows = []
+    for policy, by_budget in result.perplexity.items():
+        for budget, ppl in sorted(by_budget.items()):
+            agree = result.agreement[policy][budget]
+            ratio = ppl / full_ppl if full_ppl else float("nan")
+            rows.append((policy, budget, ppl, ratio, agree["rouge_l"], agree["prefix"]))
+    return rows
+
+
+def write_eval_report(result: EvalResult, out_dir, *, model_name: str, text_names, elapsed_s: float) -> dict:
+    """Writes eval.json, eval.md and eval_perplexity.png under out_dir; returns their paths."""
+    out = Path(out_dir)
+    paths = {"json": out / "eval.json", "markdown": out / "eval.md", "plot": out / "eval_perplexity.png"}
+    header = {"command": command_line(), "machine": machine_description(), "model": model_name,
+              "texts": list(text_names), "elapsed_s": round(elapsed_s, 1)}
+    write_json(paths["json"], {**header, **asdict(result)})
+
+    rows = result_rows(result)
+    s = result.settings
+    table = markdown_table(["policy", "budget", "perplexity", "x full", "ROUGE-L vs full", "tokens before divergence"],
+                           rows)
+    paths["markdown"].write_text(
+        f"# Quality vs KV budget: {model_name}\n\n"
+        f"Command: `{header['command']}`  \nMachine: {header['machine']}  \nTexts: {', '.join(map(str, text_names))}"
+        f"  \nWall time: {elapsed_s:.0f} s\n\n"
+        f"Streaming perplexity over {s['num_seqs']} held-out windows of {s['seq_len']} tokens: a {s['prompt_len']}-token "
+        "prompt block, then one token per step, so every prediction after the prompt comes from the compressed "
+        f"cache. Generation agreement: greedy {s['gen_new_tokens']} tokens after {s['gen_prompts']} prompts of "
+        f"{s['gen_prompt_len']} tokens, compared with the full cache. Budget = fraction of the sequence kept.\n\n"
+        f"{table}\n\n![perplexity vs budget]({paths['plot'].name})\n")
+
+    series = {policy: (sorted(by), [by[b] for b in sorted(by)]) for policy, by in result.perplexity.items()
+              if policy != "full"}
+    hlines = {"full cache": result.perplexity["full"][1.0]} if "full" in result.perplexity else None
+    plot_lines(paths["plot"], series, xlabel="KV-cache budget (fraction of sequence)", ylabel="perplexity",
+               title=f"Streaming perplexity vs budget ({model_name})", logx=True, hlines=hlines)
+    return paths

@@ -1,0 +1,150 @@
+"""Quality of an H2O cache: streaming perplexity and greedy-generation agreement, per policy and budget.
+
+This reproduces the paper's accuracy-vs-budget figure on a held-out text: each sequence is fed as a short
+prompt block and then one token per step (teacher forcing through ``H2OModel.step``), so every prediction
+after the prompt is made from the compressed cache, exactly as during generation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from .runtime import optimize
+
+
+@dataclass
+class EvalSettings:
+    budgets: Sequence[float] = (0.05, 0.1, 0.2, 0.5, 1.0)
+    policies: Sequence[str] = ("full", "h2o", "local", "sink", "random")
+    seq_len: int = 1024
+    num_seqs: int = 8
+    batch_size: int = 8
+    prompt_len: int = 32          # perplexity is measured on the tokens after this prompt block
+    gen_prompt_len: int = 512
+    gen_new_tokens: int = 128
+    gen_prompts: int = 4
+    compile: object = True
+
+    def __post_init__(self) -> None:
+        if not self.budgets or any(not (0 < b <= 1) for b in self.budgets):
+            raise ValueError(f"budgets={list(self.budgets)} must be fractions in (0, 1]")
+        if not 1 <= self.prompt_len < self.seq_len:
+            raise ValueError(f"prompt_len={self.prompt_len} must be in [1, seq_len={self.seq_len})")
+        for name in ("num_seqs", "batch_size", "gen_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+@dataclass
+class EvalResult:
+    settings: dict
+    perplexity: dict = field(default_factory=dict)     # policy -> {budget: ppl}
+    agreement: dict = field(default_factory=dict)      # policy -> {budget: {"rouge_l": .., "prefix": ..}}
+
+
+def read_tail(path, fraction: float = 0.1) -> str:
+    """The last ``fraction`` of a text file (the held-out part the shipped model never trained on)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction={fraction} must be in (0, 1]")
+    text = Path(path).read_text(encoding="utf-8")
+    return text[len(text) - int(len(text) * fraction):]
+
+
+def token_windows(tokenizer, texts: Sequence[str], seq_len: int, count: int) -> torch.Tensor:
+    """Non-overlapping windows of ``seq_len`` tokens, spread evenly over the texts: LongTensor [N, seq_len]."""
+    windows = []
+    for text in texts:
+        ids = torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+        usable = ids[: len(ids) // seq_len * seq_len].view(-1, seq_len)
+        windows.append(usable)
+    pool = torch.cat(windows) if windows else torch.empty(0, seq_len, dtype=torch.long)
+    if len(pool) < count:
+        raise ValueError(f"the text holds only {len(pool)} windows of {seq_len} tokens, {count} requested")
+    pick = torch.linspace(0, len(pool) - 1, count).round().long()
+    return pool[pick]
+
+
+@torch.no_grad()
+def streaming_nll(h2o_model, ids: torch.Tensor, prompt_len: int) -> tuple[float, int]:
+    """Sum of NLL over tokens prompt_len..L-1 of ids [B, L], fed as a prompt block then token by token."""
+    batch, length = ids.shape
+    h2o_model.reset(batch, length)
+    logits = h2o_model.step(ids[:, :prompt_len])[:, -1]
+    total = 0.0
+    for t in range(prompt_len, length):
+        total += torch.nn.functional.cross_entropy(logits.float(), ids[:, t], reduction="sum").item()
+        if t + 1 < length:
+            logits = h2o_model.step(ids[:, t:t + 1])[:, -1]
+    return total, batch * (length - prompt_len)
+
+
+def rouge_l(candidate: Sequence[int], reference: Sequence[int]) -> float:
+    """ROUGE-L F1 between two token sequences (longest common subsequence)."""
+    if not candidate or not reference:
+        return 0.0
+    prev = [0] * (len(reference) + 1)
+    for a in candidate:
+        cur = [0]
+        for j, b in enumerate(reference):
+            cur.append(prev[j] + 1 if a == b else max(prev[j + 1], cur[j]))
+        prev = cur
+    lcs = prev[-1]
+    if lcs == 0:
+        return 0.0
+    precision, recall = lcs / len(candidate), lcs / len(reference)
+    return 2 * precision * recall / (precision + recall)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _configs(settings: EvalSettings):
+    for policy in settings.policies:
+        for budget in ([1.0] if policy == "full" else settings.budgets):
+            yield policy, budget
+
+
+def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSettings] = None,
+             progress: bool = True) -> EvalResult:
+    """Perplexity and generation agreement for every (policy, budget) in ``settings``."""
+    settings = settings or EvalSettings()
+    seqs = token_windows(tokenizer, texts, settings.seq_len, settings.num_seqs)
+    gen_len = settings.gen_prompt_len + settings.gen_new_tokens
+    gen_source = token_windows(tokenizer, texts, gen_len, settings.gen_prompts)
+    prompts = gen_source[:, :settings.gen_prompt_len]
+    result = EvalResult(settings=asdict(settings))
+    configs = list(_configs(settings))
+    reference_tokens = None
+    bar = tqdm(configs, desc="eval", disable=not progress)
+    for policy, budget in bar:
+        bar.set_postfix_str(f"{policy} @ {budget}")
+        sink = None if policy in ("sink", "full") else 0
+        h2o = optimize(model, budget=budget, policy=policy, sink_tokens=sink, compile=settings.compile)
+        nll, count = 0.0, 0
+        for start in range(0, len(seqs), settings.batch_size):
+            part_nll, part_count = streaming_nll(h2o, seqs[start:start + settings.batch_size], settings.prompt_len)
+            nll, count = nll + part_nll, count + part_count
+        result.perplexity.setdefault(policy, {})[budget] = math.exp(nll / count)
+        tokens = h2o.generate(prompts, max_new_tokens=settings.gen_new_tokens, eos_token_id=[],
+                              pad_token_id=0)[:, settings.gen_prompt_len:].tolist()
+        if reference_tokens is None:
+            if policy != "full":
+                raise ValueError("policies must start with 'full': it is the reference for generation agreement")
+            reference_tokens = tokens
+        scores = [rouge_l(c, r) for c, r in zip(tokens, reference_tokens)]
+        prefixes = [common_prefix(c, r) for c, r in zip(tokens, reference_tokens)]
+        result.agreement.setdefault(policy, {})[budget] = {"rouge_l": sum(scores) / len(scores),
+                                                            "prefix": sum(prefixes) / len(prefixes)}
+    return result

@@ -1,0 +1,25 @@
+"""Shared fixtures: a random-weight model with a word-level tokenizer, saved to a local folder."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from tests.runtime.arch_configs import VOCAB, build
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """Tokens w0..w93 plus <unk> and <eos>: text 'w5 w17' encodes to two ids, no training needed."""
+    words = ["<unk>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 2)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    word_tokenizer().save_pretrained(folder)
+    build("llama").save_pretrained(folder)
+    return folder

@@ -1,0 +1,91 @@
+"""The quality evaluation on a tiny slice: its numbers agree with transformers, its report is written."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+import h2o_compile
+from h2o_compile.cli import main
+from h2o_compile.evaluation import EvalSettings, common_prefix, evaluate, read_tail, rouge_l, streaming_nll
+from tests.runtime.arch_configs import build
+
+TEXT = " ".join(f"w{(i * 7 + i // 5) % 90}" for i in range(400))
+
+
+def lcs_bruteforce(a, b):
+    best = 0
+    for mask in range(1 << len(a)):
+        sub = [x for i, x in enumerate(a) if mask >> i & 1]
+        it = iter(b)
+        if all(x in it for x in sub):
+            best = max(best, len(sub))
+    return best
+
+
+def test_rouge_l_matches_bruteforce_lcs():
+    rng = random.Random(0)
+    for _ in range(30):
+        a = [rng.randrange(4) for _ in range(rng.randrange(1, 9))]
+        b = [rng.randrange(4) for _ in range(rng.randrange(1, 9))]
+        lcs = lcs_bruteforce(a, b)
+        want = 0.0 if lcs == 0 else 2 * (lcs / len(a)) * (lcs / len(b)) / (lcs / len(a) + lcs / len(b))
+        assert rouge_l(a, b) == pytest.approx(want)
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_streaming_nll_with_full_cache_equals_transformers_cross_entropy():
+    model = build("llama", seed=3)
+    ids = torch.randint(1, 90, (2, 20))
+    nll, count = streaming_nll(h2o_compile.optimize(model, budget=1.0, compile=False), ids, prompt_len=5)
+    logits = model(ids).logits[:, 4:-1]
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 5:].reshape(-1),
+                                             reduction="sum")
+    assert count == 2 * 15
+    assert nll == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_evaluate_tiny_slice(tmp_path):
+    from tests.conftest import word_tokenizer
+
+    settings = EvalSettings(budgets=(0.25, 1.0), policies=("full", "h2o", "local"), seq_len=24, num_seqs=2,
+                            batch_size=2, prompt_len=4, gen_prompt_len=12, gen_new_tokens=6, gen_prompts=2,
+                            compile=False)
+    result = evaluate(build("llama", seed=4), word_tokenizer(), [TEXT], settings, progress=False)
+    full = result.perplexity["full"][1.0]
+    assert math.isfinite(full) and full > 1
+    # budget 1.0 keeps everything: same numbers as the full cache, whatever the policy.
+    assert result.perplexity["h2o"][1.0] == pytest.approx(full, rel=1e-5)
+    assert result.agreement["local"][1.0] == {"rouge_l": 1.0, "prefix": 6.0}
+    assert result.perplexity["local"][0.25] != pytest.approx(full, rel=1e-3)
+
+
+def test_eval_cli_writes_json_table_and_plot(model_dir, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("head " * 50 + TEXT)
+    out = tmp_path / "out"
+    code = main(["eval", "--model", str(model_dir), "--text", str(text), "--tail", "0.9", "--budgets", "0.5,1.0",
+                 "--policies", "h2o,full", "--seq-len", "24", "--num-seqs", "2", "--prompt-len", "4",
+                 "--gen-prompt-len", "10", "--gen-new-tokens", "4", "--gen-prompts", "1", "--compile", "off",
+                 "--out", str(out)])
+    assert code == 0
+    data = json.loads((out / "eval.json").read_text())
+    assert set(data["perplexity"]) == {"full", "h2o"}
+    assert "| h2o | 0.500 |" in (out / "eval.md").read_text()
+    assert (out / "eval_perplexity.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_read_tail_and_bad_values(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("a" * 90 + "b" * 10)
+    assert read_tail(path, 0.1) == "b" * 10
+    with pytest.raises(ValueError, match="fraction=0"):
+        read_tail(path, 0)
+    with pytest.raises(ValueError, match="budgets"):
+        EvalSettings(budgets=(0.0,))
+    with pytest.raises(ValueError, match="prompt_len=0"):
+        EvalSettings(prompt_len=0)
