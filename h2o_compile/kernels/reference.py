@@ -143,7 +143,26 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
     all_pos = torch.cat([pos_cache, new_pos], dim=2)                            # [B, Hkv, C+T]
     out, mass = attend(q, all_keys, all_values, all_pos, positions, valid, scale)
     all_scores = torch.cat([score_cache, torch.zeros_like(new_pos, dtype=torch.float32)], dim=2) + mass
+    new_state = compress(H2OState(all_keys, all_values, all_scores, all_pos), newest, cap, recent=recent,
+                         sinks=sinks, policy=policy, seed=seed)
+    return out, new_state
 
+
+def compress(entries: H2OState, newest: Tensor, cap: int, *, recent: int, sinks: int, policy: str,
+             seed: int = 0) -> H2OState:
+    """Evict down to ``cap`` slots (step 4 of DESIGN.md section 2); shared by every path that attends
+    over a whole block first (this file's general path, the Triton prefill).
+
+    Args:
+        entries: the C old slots followed by the T new tokens, scores already including this block's mass:
+            [B, Hkv, C+T, D], [B, Hkv, C+T, Dv], [B, Hkv, C+T] fp32, [B, Hkv, C+T] int64 (-1 = nothing).
+        newest: [B, 1, 1] int64, t1 per row. cap: C.
+    Returns:
+        The new state (C slots): kept old entries stay in their slots, kept new tokens fill the freed ones.
+    """
+    all_keys, all_values, all_scores, all_pos = entries
+    k = all_keys[:, :, cap:]
+    new_pos = all_pos[:, :, cap:]
     # Rank entries by (priority desc, position desc): two stable sorts, position first.
     priority = eviction_priority(policy, all_scores, all_pos, newest, recent, sinks, seed)
     by_pos = torch.sort(all_pos, dim=-1, descending=True, stable=True).indices
@@ -174,8 +193,33 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
         keep_mask = kept_old if entries.dim() == 3 else kept_old[..., None]
         return torch.where(keep_mask, old, fresh)
 
-    new_state = H2OState(take(all_keys, 0), take(all_values, 0), take(all_scores, 0.0), take(all_pos, -1))
-    return out, new_state
+    return H2OState(take(all_keys, 0), take(all_values, 0), take(all_scores, 0.0), take(all_pos, -1))
+
+
+def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OState, scale: float
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """One query token per row against the C cached keys and its own key, without concatenating the cache.
+
+    The cache is read once (keys for the logits, values for the output); only the [.., C + 1] logits are
+    concatenated. Every cached entry with position >= 0 is visible (it is older than the new token).
+
+    Args:
+        q: [B, Hq, 1, D]; k: [B, Hkv, 1, D]; v: [B, Hkv, 1, Dv]; valid: [B, 1] bool.
+    Returns:
+        out [B, Hq, 1, Dv] (q's dtype), mass over the cache [B, Hkv, C] and on the new key [B, Hkv, 1] (fp32).
+    """
+    key_cache, value_cache, _, pos_cache = state
+    b, hq, _, d = q.shape
+    hkv = key_cache.shape[1]
+    qg = q.reshape(b, hkv, hq // hkv, d).float()                                 # [B, Hkv, G, D]
+    cached = torch.matmul(qg, key_cache.float().transpose(2, 3)) * scale        # [B, Hkv, G, C]
+    own = (qg * k.float()).sum(-1, keepdim=True) * scale                        # [B, Hkv, G, 1]
+    visible = torch.cat([pos_cache >= 0, torch.ones_like(pos_cache[..., :1], dtype=torch.bool)], dim=-1)
+    logits = torch.cat([cached, own], dim=-1).masked_fill(~visible[:, :, None, :], torch.finfo(torch.float32).min)
+    probs = torch.softmax(logits, dim=-1) * valid.view(b, 1, 1, 1)               # [B, Hkv, G, C+1]
+    out = torch.matmul(probs[..., :-1], value_cache.float()) + probs[..., -1:] * v.float().reshape(b, hkv, 1, -1)
+    mass = probs.sum(dim=2)                                                      # [B, Hkv, C+1]
+    return out.reshape(b, hq, 1, -1).to(q.dtype), mass[..., :-1], mass[..., -1:]
 
 
 def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
@@ -191,11 +235,8 @@ def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optio
     """
     key_cache, value_cache, score_cache, pos_cache = state
     valid, new_pos, newest = _block_inputs(k, positions, valid)                 # new_pos [B, Hkv, 1]
-    all_keys = torch.cat([key_cache, k.to(key_cache.dtype)], dim=2)
-    all_values = torch.cat([value_cache, v.to(value_cache.dtype)], dim=2)
-    all_pos = torch.cat([pos_cache, new_pos], dim=2)
-    out, mass = attend(q, all_keys, all_values, all_pos, positions, valid, scale)
-    scores = score_cache + mass[..., :-1]                                       # [B, Hkv, C]
+    out, mass_cache, mass_new = attend_decode(q, k, v, valid, state, scale)
+    scores = score_cache + mass_cache                                            # [B, Hkv, C]
 
     priority = eviction_priority(policy, scores, pos_cache, newest, recent, sinks, seed)
     lowest = priority == priority.amin(dim=-1, keepdim=True)
@@ -213,7 +254,7 @@ def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optio
     score_cache.copy_(scores)
     put(key_cache, k)
     put(value_cache, v)
-    put(score_cache, mass[..., -1:])
+    put(score_cache, mass_new)
     put(pos_cache, new_pos)
     return out
 
