@@ -26,9 +26,9 @@ class EvalSettings:
     num_seqs: int = 8
     batch_size: int = 8
     prompt_len: int = 32          # perplexity is measured on the tokens after this prompt block
-    gen_prompt_len: int = 512
+    gen_prompt_len: int = 896     # + gen_new_tokens = seq_len and gen_prompts = batch_size: one compile serves both
     gen_new_tokens: int = 128
-    gen_prompts: int = 4
+    gen_prompts: int = 8
     compile: object = True
 
     def __post_init__(self) -> None:
