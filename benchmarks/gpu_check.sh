@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks of the Triton kernels, as one run on a machine with a CUDA GPU:
+#   1. tests/kernels on CUDA (compiled kernels, larger shapes, bf16, CUDA-graph replay, torch.compile);
+#   2. benchmarks/decode_kernel_micro.py (fused decode vs reference vs SDPA over C slots / the full cache).
+# It installs nothing from the network: it uses the machine's python (with torch + triton) and imports
+# h2o_compile from this checkout through PYTHONPATH. Everything lands under $OUT (default ./out):
+# env.txt, pytest.log, pytest.xml, bench.log, decode_kernel_micro.json.
+#
+#   bash benchmarks/gpu_check.sh               # PYTHON=... to pick the interpreter, TEST_TIMEOUT=... seconds
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-./out}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET H2O_COMPILE_BACKEND  # compiled kernels; the op chooses Triton for CUDA tensors itself
+
+{ "$PY" -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton",
+triton.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU")'
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 || true
+} | tee "$OUT/env.txt"
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  echo "gpu_check: no CUDA device visible; nothing to check" >&2
+  exit 2
+fi
+
+# Kernel compilation dominates the test time: spread it over processes when pytest-xdist is there.
+XDIST=()
+if "$PY" -c 'import xdist' 2>/dev/null; then XDIST=(-n 4); fi
+timeout "${TEST_TIMEOUT:-360}" "$PY" -m pytest tests/kernels -q -p no:cacheprovider -rs --durations=15 \
+  "${XDIST[@]}" --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
+tests=${PIPESTATUS[0]}
+
+"$PY" benchmarks/decode_kernel_micro.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+bench=${PIPESTATUS[0]}
+
+echo "gpu_check: pytest exit $tests, benchmark exit $bench (results in $OUT)"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

@@ -1,0 +1,335 @@
+"""Triton decode step (T = 1) of H2O attention: split-K attention, then scores, eviction and the slot write.
+
+Same result as ``reference.h2o_decode_`` (see there and DESIGN.md section 2), in two launches:
+
+1. ``_decode_partial_kernel``, grid (splits, B * Hkv): the G query heads of a KV group against one split of
+   the C cached slots (flash-decoding). Writes the split's running max / sum of exponentials / unnormalised
+   output, and every slot's logit to a small fp32 scratch (G x C floats is far cheaper to re-read than the
+   keys, which are D x 2 bytes per slot per head).
+2. ``_decode_finish_kernel``, grid (B * Hkv,): merges the splits and the new token (a one-key split) into the
+   global log-sum-exp and the output, turns the stored logits into probabilities with that global LSE, adds
+   their sum over the group to the scores, picks the slot to evict (lowest (priority, position, slot)) and
+   writes the new key / value / position / score there. No host sync, so a CUDA graph can capture both.
+
+Logits are kept in base 2 (scale folded with log2(e)) so the kernels use exp2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.0 / math.log(2.0)
+# A finite "minus infinity" for masked logits: max/exp2 over it never produces NaN, even for a row that
+# sees nothing (a padding token), which then ends with sum 0 and is zeroed explicitly.
+NEG = tl.constexpr(-1.0e30)
+INT64_MAX = tl.constexpr(2**63 - 1)
+
+
+def is_interpreted() -> bool:
+    """True when the kernels were built by Triton's interpreter (TRITON_INTERPRET=1 at import): they run on
+    CPU tensors with numpy, so the wrappers pick small blocks."""
+    return not isinstance(_decode_partial_kernel, triton.runtime.JITFunction)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs get IEEE dots: TF32 would put the kernels 1e-3 away from the fp32 reference."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def python_mod(x, m):
+    """x mod m with the sign of m, like torch and Python (Triton's `%` truncates like C)."""
+    r = x % m
+    return tl.where(r < 0, r + m, r)
+
+
+@triton.jit
+def _decode_partial_kernel(
+    Q, K_CACHE, V_CACHE, POS_CACHE, POSITIONS, VALID,
+    LOGITS, PART_M, PART_L, PART_ACC,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_pb, stride_ph, stride_pc,
+    stride_posb, stride_validb,
+    C, NUM_SPLITS, split_n, qk_scale,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_VALID: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_G >= 16, "tl.dot needs at least 16 rows; pad the query group")
+    tl.static_assert(BLOCK_N >= 16)
+    pid_s = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)  # 64-bit offsets: B x Hkv x C x D passes 2^31 at long contexts
+    h = pid_bh % HKV
+    qpos = tl.load(POSITIONS + b * stride_posb)
+    qvalid = qpos == qpos  # noqa: PLR0124  (an all-true flag with the type of a loaded one)
+    if HAS_VALID:
+        qvalid = tl.load(VALID + b * stride_validb) != 0
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    g_mask = offs_g < G
+    q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+    q = q.to(K_CACHE.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    k_base = K_CACHE + b * stride_kb + h * stride_kh
+    v_base = V_CACHE + b * stride_vb + h * stride_vh
+    row = (pid_bh * G + offs_g).to(tl.int64) * C  # LOGITS is [B * Hkv * G, C], contiguous
+    # split_n is a multiple of BLOCK_N (the wrapper asserts it), so no block straddles two splits. It is a
+    # runtime argument: a constexpr would compile one kernel per cache size.
+    start = pid_s * split_n
+    end = tl.minimum(start + split_n, C)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < C
+        kpos = tl.load(POS_CACHE + b * stride_pb + h * stride_ph + offs_n * stride_pc, mask=n_mask, other=-1)
+        k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd,
+                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale        # [BLOCK_G, BLOCK_N]
+        # (scalar-bool & vector-bool is mis-typed by the interpreter, so the row flag goes through where)
+        # As reference.attend_decode: every filled slot is visible (it is older than the new token).
+        vis = tl.where(qvalid, (kpos >= 0) & n_mask, False)
+        s = tl.where(vis[None, :], s, NEG)
+        tl.store(LOGITS + row[:, None] + offs_n[None, :], s, mask=g_mask[:, None] & n_mask[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.where(vis[None, :], tl.exp2(s - m_new[:, None]), 0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vc + offs_dv[None, :] * stride_vd,
+                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    part = (pid_bh * NUM_SPLITS + pid_s) * G + offs_g  # PART_* are [B*Hkv, S, G(, DV)]
+    tl.store(PART_M + part, m_i, mask=g_mask)
+    tl.store(PART_L + part, l_i, mask=g_mask)
+    tl.store(PART_ACC + part[:, None] * DV + offs_dv[None, :], acc,
+             mask=g_mask[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _eviction_priority(score, pos, newest, RECENT, SINKS, POLICY: tl.constexpr, SEED: tl.constexpr):
+    """reference.eviction_priority for one block of slots; policy codes as reference.POLICY_CODES."""
+    if POLICY == 0:
+        key = score
+    elif POLICY == 3:
+        # reference.random_priority in int64; the constants are typed explicitly because a literal above
+        # 2^31 would otherwise become uint32, and `%` is made Python-like (non-negative) as in torch.
+        mod = tl.full(pos.shape, 2147483647, tl.int64)
+        mul = tl.full(pos.shape, 48271, tl.int64)
+        x = pos.to(tl.int64) * tl.full(pos.shape, 2654435761, tl.int64) + (SEED * 7919 + 1)
+        x = python_mod(x, mod)
+        x = (x * mul) % mod
+        x = (x * mul) % mod
+        key = x.to(tl.float32)
+    else:
+        key = pos.to(tl.float32)
+    protected = (pos < SINKS) | (pos > newest - RECENT)
+    key = tl.where(protected, float("inf"), key)
+    return tl.where(pos < 0, float("-inf"), key)
+
+
+@triton.jit
+def _decode_finish_kernel(
+    Q, K_NEW, V_NEW, POSITIONS, VALID,
+    LOGITS, PART_M, PART_L, PART_ACC, OUT,
+    K_CACHE, V_CACHE, SCORE, POS_CACHE,
+    stride_qb, stride_qh, stride_qd,
+    stride_knb, stride_knh, stride_knd,
+    stride_vnb, stride_vnh, stride_vnd,
+    stride_ob, stride_oh, stride_od,
+    stride_kb, stride_kh, stride_kc, stride_kd,
+    stride_vb, stride_vh, stride_vc, stride_vd,
+    stride_sb, stride_sh, stride_sc,
+    stride_pb, stride_ph, stride_pc,
+    stride_posb, stride_validb,
+    C, NUM_SPLITS, qk_scale, RECENT, SINKS,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_VALID: tl.constexpr, POLICY: tl.constexpr, SEED: tl.constexpr,
+):
+    tl.static_assert(BLOCK_G >= G)
+    tl.static_assert(BLOCK_N >= 16)
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // HKV).to(tl.int64)
+    h = pid_bh % HKV
+    qpos = tl.load(POSITIONS + b * stride_posb)
+    qvalid = qpos == qpos  # noqa: PLR0124
+    if HAS_VALID:
+        qvalid = tl.load(VALID + b * stride_validb) != 0
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    dv_mask = offs_dv < DV
+
+    # The new token is a split of one key: its logit seeds the merge of the partial results.
+    q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    k_new = tl.load(K_NEW + b * stride_knb + h * stride_knh + offs_d * stride_knd, mask=d_mask, other=0.0)
+    v_new = tl.load(V_NEW + b * stride_vnb + h * stride_vnh + offs_dv * stride_vnd, mask=dv_mask, other=0.0)
+    # Round k to the cache dtype first: the reference attends over the cached copy of the new key.
+    k_new = k_new.to(K_CACHE.dtype.element_ty)
+    v_new = v_new.to(V_CACHE.dtype.element_ty)
+    q = q.to(K_CACHE.dtype.element_ty).to(tl.float32)  # rounded as the partial kernel's tl.dot sees it
+    s_new = tl.sum(q * k_new.to(tl.float32)[None, :], 1) * qk_scale
+    vis_new = qvalid
+    m_i = tl.where(vis_new, s_new, NEG)
+    l_i = tl.where(vis_new, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.where(vis_new, v_new.to(tl.float32)[None, :], 0.0) + tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    for split in range(NUM_SPLITS):
+        part = (pid_bh * NUM_SPLITS + split) * G + offs_g
+        m_s = tl.load(PART_M + part, mask=g_mask, other=NEG)
+        l_s = tl.load(PART_L + part, mask=g_mask, other=0.0)
+        a_s = tl.load(PART_ACC + part[:, None] * DV + offs_dv[None, :],
+                      mask=g_mask[:, None] & dv_mask[None, :], other=0.0)
+        m_new = tl.maximum(m_i, m_s)
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(m_s - m_new)
+        l_i = l_i * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m_i = m_new
+    seen = l_i > 0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    tl.store(OUT + b * stride_ob + (h * G + offs_g)[:, None] * stride_oh + offs_dv[None, :] * stride_od,
+             out.to(OUT.dtype.element_ty), mask=g_mask[:, None] & dv_mask[None, :])
+    lse = m_i + tl.log2(tl.where(seen, l_i, 1.0))                                  # [BLOCK_G], base 2
+    # A padding row has lse = NEG: mask before exp2 so nothing overflows.
+    mass_new = tl.sum(tl.exp2(tl.where(tl.where(vis_new, g_mask, False), s_new - lse, NEG)), 0)
+
+    # Scores += mass, and the running lexicographic minimum of (priority, position, slot).
+    newest = tl.where(qvalid, qpos, -1)
+    best_p = float("inf")
+    best_pos = INT64_MAX
+    best_slot = 0
+    row = (pid_bh * G + offs_g).to(tl.int64) * C
+    for n0 in range(0, C, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < C
+        pos = tl.load(POS_CACHE + b * stride_pb + h * stride_ph + offs_n * stride_pc, mask=n_mask, other=-1)
+        score = tl.load(SCORE + b * stride_sb + h * stride_sh + offs_n * stride_sc, mask=n_mask, other=0.0)
+        lg = tl.load(LOGITS + row[:, None] + offs_n[None, :], mask=g_mask[:, None] & n_mask[None, :],
+                     other=NEG)
+        vis = tl.where(qvalid, (pos >= 0) & n_mask, False)
+        p = tl.where(vis[None, :] & g_mask[:, None], tl.exp2(lg - lse[:, None]), 0.0)
+        score = score + tl.sum(p, 0)
+        tl.store(SCORE + b * stride_sb + h * stride_sh + offs_n * stride_sc, score, mask=n_mask)
+        prio = _eviction_priority(score, pos, newest, RECENT, SINKS, POLICY, SEED)
+        prio = tl.where(n_mask, prio, float("inf"))
+        pos_key = tl.where(n_mask, pos, INT64_MAX)
+        blk_p = tl.min(prio, 0)
+        cand = prio == blk_p
+        blk_pos = tl.min(tl.where(cand, pos_key, INT64_MAX), 0)
+        blk_slot = tl.min(tl.where(cand & (pos_key == blk_pos), offs_n, C + BLOCK_N), 0)
+        # Blocks come in increasing slot order, so an equal (priority, position) keeps the earlier slot.
+        better = (blk_p < best_p) | ((blk_p == best_p) & (blk_pos < best_pos))
+        best_p = tl.where(better, blk_p, best_p)
+        best_pos = tl.where(better, blk_pos, best_pos)
+        best_slot = tl.where(better, blk_slot, best_slot)
+
+    # The score of the chosen slot was stored above by some thread of this program: order the overwrite.
+    tl.debug_barrier()
+    tl.store(K_CACHE + b * stride_kb + h * stride_kh + best_slot * stride_kc + offs_d * stride_kd, k_new,
+             mask=tl.where(qvalid, d_mask, False))
+    tl.store(V_CACHE + b * stride_vb + h * stride_vh + best_slot * stride_vc + offs_dv * stride_vd, v_new,
+             mask=tl.where(qvalid, dv_mask, False))
+    tl.store(POS_CACHE + b * stride_pb + h * stride_ph + best_slot * stride_pc, qpos, mask=qvalid)
+    tl.store(SCORE + b * stride_sb + h * stride_sh + best_slot * stride_sc, mass_new, mask=qvalid)
+
+
+def decode_config(cap: int, batch_heads: int, dtype: torch.dtype, device: torch.device,
+                  split_size: int = 0) -> dict:
+    """Block sizes and split size for one decode call; a function of shapes only, so CUDA graphs can capture.
+
+    One config under the interpreter (small blocks keep it fast); no autotuning on GPU either: decode is
+    memory-bound and the split count, not the tile, decides how many SMs stream the cache.
+    """
+    if is_interpreted():
+        block_n, finish_n = 16, 16
+    else:
+        # fp32 tiles are twice as large; 32 keeps shared memory well under 100 KB on any recent GPU. The
+        # finish kernel runs one program per (row, KV head) over all C slots: wide blocks, few iterations.
+        block_n = 32 if dtype == torch.float32 else 64
+        finish_n = min(1024, max(64, triton.next_power_of_2(cap)))
+    if split_size > 0:
+        split = triton.cdiv(split_size, block_n) * block_n
+    elif device.type == "cuda":
+        # About two programs per SM, each streaming at least two blocks (one split costs one merge step).
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        want = max(1, triton.cdiv(2 * sms, batch_heads))
+        split = max(2 * block_n, triton.cdiv(triton.cdiv(cap, want), block_n) * block_n)
+    else:
+        split = triton.cdiv(cap, block_n) * block_n
+    return dict(BLOCK_N=block_n, FINISH_BLOCK_N=finish_n, SPLIT_N=split, num_splits=triton.cdiv(cap, split))
+
+
+def decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, *, scale: float,
+            recent: int, sinks: int, policy_code: int, seed: int, split_size: int = 0) -> torch.Tensor:
+    """In-place H2O decode step; the contract of ``reference.h2o_decode_``.
+
+    Args:
+        q: [B, Hq, 1, D]; k: [B, Hkv, 1, D]; v: [B, Hkv, 1, Dv] (fp32 / fp16 / bf16).
+        positions: [B, 1] int64; valid: [B, 1] bool or None (False: the row's cache stays untouched).
+        key_cache: [B, Hkv, C, D]; value_cache: [B, Hkv, C, Dv]; score_cache: [B, Hkv, C] fp32;
+        pos_cache: [B, Hkv, C] int64 -- all updated in place.
+        policy_code: reference.POLICY_CODES[policy]. split_size: slots per split, 0 = chosen from the shapes.
+    Returns:
+        out [B, Hq, 1, Dv] in q's dtype.
+    """
+    from torch.library import wrap_triton
+
+    b, hq, _, d = q.shape
+    hkv, cap = key_cache.shape[1], key_cache.shape[2]
+    dv = value_cache.shape[3]
+    group = hq // hkv
+    cfg = decode_config(cap, b * hkv, key_cache.dtype, q.device, split_size)
+    splits = cfg["num_splits"]
+    assert cfg["SPLIT_N"] % cfg["BLOCK_N"] == 0
+    f32 = dict(device=q.device, dtype=torch.float32)
+    logits = torch.empty(b * hkv * group, cap, **f32)                              # [B*Hkv*G, C], base-2
+    part_m = torch.empty(b * hkv, splits, group, **f32)
+    part_l = torch.empty(b * hkv, splits, group, **f32)
+    part_acc = torch.empty(b * hkv, splits, group, dv, **f32)
+    out = torch.empty(b, hq, 1, dv, device=q.device, dtype=q.dtype)
+    has_valid = valid is not None
+    valid_t = valid if has_valid else positions  # never read when has_valid is False
+    qk_scale = scale * LOG2E
+    blocks = dict(HKV=hkv, G=group, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d),
+                  BLOCK_DV=triton.next_power_of_2(dv), HAS_VALID=has_valid)
+    wrap_triton(_decode_partial_kernel)[(splits, b * hkv)](
+        q, key_cache, value_cache, pos_cache, positions, valid_t,
+        logits, part_m, part_l, part_acc,
+        q.stride(0), q.stride(1), q.stride(3),
+        *key_cache.stride(), *value_cache.stride(), *pos_cache.stride(),
+        positions.stride(0), valid_t.stride(0),
+        cap, splits, cfg["SPLIT_N"], qk_scale,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg["BLOCK_N"],
+        DOT_PRECISION=dot_precision(key_cache.dtype), num_warps=4, **blocks,
+    )
+    wrap_triton(_decode_finish_kernel)[(b * hkv,)](
+        q, k, v, positions, valid_t,
+        logits, part_m, part_l, part_acc, out,
+        key_cache, value_cache, score_cache, pos_cache,
+        q.stride(0), q.stride(1), q.stride(3),
+        k.stride(0), k.stride(1), k.stride(3),
+        v.stride(0), v.stride(1), v.stride(3),
+        out.stride(0), out.stride(1), out.stride(3),
+        *key_cache.stride(), *value_cache.stride(), *score_cache.stride(), *pos_cache.stride(),
+        positions.stride(0), valid_t.stride(0),
+        cap, splits, qk_scale, recent, sinks,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_N=cfg["FINISH_BLOCK_N"], POLICY=policy_code, SEED=seed,
+        num_warps=8 if cfg["FINISH_BLOCK_N"] >= 512 else 4, **blocks,
+    )
+    return out

@@ -1,0 +1,106 @@
+"""The Triton prefill kernels (blocks of T > 1 tokens) against the reference op: same slots, outputs, scores.
+
+Blocks go through ``triton_ops.h2o_attention_`` (prefill kernels + reference.compress) and through
+``reference.h2o_attention_`` from the same start; a schedule mixes a prompt longer than C, chunks that are
+not multiples of the tile, and a decode step. Without a GPU the kernels run under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2o_compile.kernels import reference
+
+from .conftest import HAS_CUDA, assert_close_out, assert_same_state, random_block
+
+pytest.importorskip("triton")
+from h2o_compile.kernels import triton_ops, triton_prefill  # after conftest set TRITON_INTERPRET
+
+POLICIES = ["h2o", "local", "sink", "random", "full"]
+# (B, Hq, Hkv, D, C); C is never a power of two.
+SHAPES = [(1, 8, 8, 32, 13), (3, 8, 2, 64, 11), (3, 8, 1, 128, 7)]
+DTYPES = [torch.float32, torch.float16]
+SCHEDULE = [19, 5, 1, 18]  # block sizes: prompt > C, ragged chunks (tile 16 under the interpreter), decode
+if HAS_CUDA:
+    SHAPES += [(4, 32, 8, 128, 410), (2, 16, 2, 64, 1000), (3, 8, 1, 80, 97)]
+    DTYPES += [torch.bfloat16]
+
+
+def block_validity(b, t, start, device):
+    """Row 1 is left-padded (its first 3 tokens are padding), row 2 right-padded in the first block."""
+    valid = torch.ones(b, t, dtype=torch.bool, device=device)
+    if start == 0 and b > 2 and t > 6:
+        valid[1, :3] = False
+        valid[2, -2:] = False
+    return valid
+
+
+def run_schedule(device, shape, dtype, policy, sinks, schedule, seed=0):
+    b, hq, hkv, d, cap = shape
+    kw = dict(scale=d ** -0.5, recent=3, sinks=sinks, policy=policy, seed=5)
+    gen = torch.Generator().manual_seed(seed)
+    want = reference.empty_state(b, hkv, cap, d, dtype=dtype, device=device)
+    got = reference.empty_state(b, hkv, cap, d, dtype=dtype, device=device)
+    start = 0
+    for t in schedule:
+        q, k, v = random_block(gen, b, hq, hkv, t, d, dtype, device)
+        positions = torch.arange(start, start + t, device=device).expand(b, t).contiguous()
+        valid = block_validity(b, t, start, device)
+        out_want = reference.h2o_attention_(q, k, v, positions, valid, want, **kw)
+        out_got = triton_ops.h2o_attention_(q, k, v, positions, valid, got, **kw)
+        assert_close_out(out_got, out_want)
+        assert_same_state(got, want)
+        start += t
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_hq{}_hkv{}_d{}_c{}".format(*s))
+def test_prefill_matches_reference(triton_device, shape, dtype):
+    schedule = SCHEDULE if triton_device.type == "cpu" else [3 * shape[4] + 5, 77, 1, 1, 130]
+    run_schedule(triton_device, shape, dtype, "h2o", 1, schedule)
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_prefill_policies_match_reference(triton_device, policy, sinks):
+    run_schedule(triton_device, (3, 8, 2, 32, 9), torch.float32, policy, sinks, [17, 6, 20], seed=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attend_kernel_matches_reference_attend(triton_device, dtype):
+    """The kernels alone on a cache with holes (pos -1) and slots newer than some queries."""
+    b, hq, hkv, d, cap, t = 2, 8, 2, 32, 21, 35
+    gen = torch.Generator().manual_seed(2)
+    q, k_all, v_all = random_block(gen, b, hq, hkv, cap + t, d, dtype, triton_device)
+    q = q[:, :, :t]
+    key_pos = torch.randint(0, 40, (b, hkv, cap), generator=gen).to(triton_device)
+    key_pos[:, :, ::4] = -1
+    positions = torch.arange(30, 30 + t, device=triton_device).expand(b, t).contiguous()
+    valid = torch.rand(b, t, generator=gen).to(triton_device) > 0.2
+    new_pos = torch.where(valid, positions, -1)[:, None].expand(b, hkv, t)
+    all_pos = torch.cat([key_pos, new_pos], dim=2)
+    out, mass = triton_prefill.prefill_attend(q, k_all, v_all, all_pos, positions, valid, scale=d ** -0.5,
+                                              cache_len=cap)
+    out_want, mass_want = reference.attend(q, k_all, v_all, all_pos, positions, valid, d ** -0.5)
+    assert_close_out(out, out_want)
+    torch.testing.assert_close(mass, mass_want, rtol=1e-4, atol=1e-5)
+
+
+def test_h2o_op_dispatches_to_triton(triton_device, monkeypatch):
+    """torch.ops.h2o.attention_ with H2O_COMPILE_BACKEND=triton equals the reference backend."""
+    b, hq, hkv, d, cap = 2, 8, 2, 32, 10
+    gen = torch.Generator().manual_seed(4)
+    states = {name: reference.empty_state(b, hkv, cap, d, device=triton_device)
+              for name in ("reference", "triton")}
+    start = 0
+    for t in [14, 1, 1, 3, 1]:
+        q, k, v = random_block(gen, b, hq, hkv, t, d, torch.float32, triton_device)
+        positions = torch.arange(start, start + t, device=triton_device).expand(b, t).contiguous()
+        outs = {}
+        for name, state in states.items():
+            monkeypatch.setenv("H2O_COMPILE_BACKEND", name)
+            outs[name] = torch.ops.h2o.attention_(q, k, v, positions, None, *state, d ** -0.5, 3, 1, "h2o", 0)
+        assert_close_out(outs["triton"], outs["reference"])
+        assert_same_state(states["triton"], states["reference"])
+        start += t
