@@ -1,0 +1,41 @@
+"""Small models that ship with h2o_compile.
+
+``load_tiny()`` returns the tiny Llama trained by ``benchmarks/train_tiny_lm.py`` (recipe in
+:mod:`h2o_compile.zoo.train`, model card in ``h2o_compile/assets/tiny-llama/README.md``). Everything is
+loaded from the package folder: no network, no model hub.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_LLAMA_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
+
+__all__ = ["TINY_LLAMA_DIR", "load_tiny"]
+
+
+def load_tiny(dtype: torch.dtype = torch.float32):
+    """Load the shipped tiny Llama and its tokenizer. Returns ``(model, tokenizer)``, model in eval mode.
+
+    The weights are stored in fp16; ``dtype`` is what they are cast to (fp32 by default, for CPU).
+    Raises FileNotFoundError naming the folder if the asset has not been trained / installed.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.float32), got {dtype!r}")
+    missing = [
+        n
+        for n in ("config.json", "model.safetensors", "tokenizer.json")
+        if not (TINY_LLAMA_DIR / n).is_file()
+    ]
+    if missing:
+        raise FileNotFoundError(
+            f"tiny model asset missing in {TINY_LLAMA_DIR} (no {', '.join(missing)}); "
+            "train it with `python benchmarks/train_tiny_lm.py`"
+        )
+    model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA_DIR, dtype=dtype, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA_DIR, local_files_only=True)
+    return model.eval(), tokenizer
