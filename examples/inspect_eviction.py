@@ -1,6 +1,5 @@
 """Which tokens does H2O keep? Feed a text step by step and print the kept positions of one layer and head."""
 
-import torch
 
 import h2o_compile
 from h2o_compile.zoo import load_tiny

@@ -1,6 +1,5 @@
 """Generate with a 20% H2O cache from the model that ships with h2o_compile (offline, CPU, seconds)."""
 
-import torch
 
 import h2o_compile
 from h2o_compile.zoo import load_tiny

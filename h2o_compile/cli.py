@@ -19,7 +19,8 @@ def parse_budget(text: str):
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"budget {text!r} must be a fraction like 0.2 or a slot count like 256")
+        raise argparse.ArgumentTypeError(
+            f"budget {text!r} must be a fraction like 0.2 or a slot count like 256") from None
 
 
 def parse_prefill(text: str):
@@ -28,7 +29,7 @@ def parse_prefill(text: str):
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"prefill {text!r} must be 'full' or an int chunk size")
+        raise argparse.ArgumentTypeError(f"prefill {text!r} must be 'full' or an int chunk size") from None
 
 
 def human_bytes(n: float) -> str:
@@ -105,7 +106,7 @@ def _csv(kind):
         try:
             return [kind(x) for x in text.split(",") if x]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} must be a comma-separated list of {kind.__name__}")
+            raise argparse.ArgumentTypeError(f"{text!r} must be a comma-separated list of {kind.__name__}") from None
     return parse
 
 
@@ -153,6 +154,55 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    """Decode benchmark vs transformers' caches + roofline; writes <out>.json/.md/.png."""
+    import torch
+
+    from .bench import BenchSettings, run_bench
+    from .bench_report import write_bench_report
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    smoke = dict(models=["smoke"], batches=[1, 2], totals=[64, 128], steps=4, warmup=2, repeats=2,
+                 bandwidth_mib=64) if args.smoke else {}
+    settings = BenchSettings(**{**dict(
+        models=args.models, batches=args.batches, totals=args.totals, budgets=args.budgets,
+        local_budget=args.local_budget, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
+        prefill=not args.no_prefill, prefill_repeats=args.prefill_repeats, compile=args.compile == "on",
+        contenders=args.contenders, bandwidth_mib=args.bandwidth_mib, seed=args.seed, profile=args.profile),
+        **smoke})
+    out = args.out or ("/tmp/h2o_bench_smoke/decode_cpu" if args.smoke else "docs/results/decode_cpu")
+    result = run_bench(settings)
+    paths = write_bench_report(result, out)
+    print(paths["markdown"].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="decode tokens/s, latency, memory vs transformers' caches + roofline")
+    bench.add_argument("--models", type=_csv(str), default=["tiny", "kvbound"], help="tiny,kvbound (or smoke)")
+    bench.add_argument("--batches", type=_csv(int), default=[1, 8])
+    bench.add_argument("--totals", type=_csv(int), default=[1024, 4096], help="prompt + generated tokens")
+    bench.add_argument("--budgets", type=_csv(float), default=[0.1, 0.2, 0.5], help="h2o budgets")
+    bench.add_argument("--local-budget", type=float, default=0.2)
+    bench.add_argument("--steps", type=int, default=16, help="timed decode steps per block")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed decode steps (compile included)")
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--no-prefill", action="store_true", help="skip the batch-1 prefill timing")
+    bench.add_argument("--prefill-repeats", type=int, default=1)
+    bench.add_argument("--compile", choices=("on", "off"), default="on")
+    bench.add_argument("--contenders", type=_csv(str), default=None,
+                       help="subset, e.g. hf-dynamic,hf-static-compile,h2o-full,local@0.2,h2o@0.2")
+    bench.add_argument("--bandwidth-mib", type=int, default=512)
+    bench.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--profile", action="store_true", help="torch.profiler tables at the largest config")
+    bench.add_argument("--smoke", action="store_true", help="tiny sizes, to check it works (output in /tmp)")
+    bench.add_argument("--out", default=None, help="path without extension (default docs/results/decode_cpu)")
+    bench.set_defaults(func=cmd_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h2o-compile", description="H2O KV-cache eviction for Hugging Face LMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -182,9 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--num-seqs", type=int, default=8)
     ev.add_argument("--batch-size", type=int, default=8)
     ev.add_argument("--prompt-len", type=int, default=32)
-    ev.add_argument("--gen-prompt-len", type=int, default=512)
+    ev.add_argument("--gen-prompt-len", type=int, default=896)
     ev.add_argument("--gen-new-tokens", type=int, default=128)
-    ev.add_argument("--gen-prompts", type=int, default=4)
+    ev.add_argument("--gen-prompts", type=int, default=8)
     ev.add_argument("--compile", choices=("on", "off"), default="on")
     ev.add_argument("--out", default="docs/results/eval")
     ev.set_defaults(func=cmd_eval)
@@ -194,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--budget", type=float, default=0.2)
     demo.add_argument("--out", default="docs/results/demo")
     demo.set_defaults(func=cmd_demo)
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -14,7 +14,7 @@ import operator
 from dataclasses import dataclass
 
 import torch
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
 from .. import ops  # noqa: F401  (registers torch.ops.h2o)
 from .attention_sites import AttentionSite
