@@ -39,7 +39,8 @@ def write_eval_report(result: EvalResult, out_dir, *, model_name: str, text_name
         f"Streaming perplexity over {s['num_seqs']} held-out windows of {s['seq_len']} tokens: a "
         f"{s['prompt_len']}-token prompt block, then one token per step, so every prediction after the prompt "
         f"comes from the compressed cache. Generation agreement: greedy {s['gen_new_tokens']} tokens after "
-        f"{s['gen_prompts']} prompts of {s['gen_prompt_len']} tokens, compared with the full cache. Budget = fraction of the sequence kept.\n\n"
+        f"{s['gen_prompts']} prompts of {s['gen_prompt_len']} tokens, compared with the full cache. "
+        "Budget = fraction of the sequence kept.\n\n"
         f"{table}\n\n![perplexity vs budget]({paths['plot'].name})\n")
 
     series = {policy: (sorted(by), [by[b] for b in sorted(by)]) for policy, by in result.perplexity.items()
