@@ -2,8 +2,10 @@
 
 from . import ops  # noqa: F401  (registers torch.ops.h2o.*)
 from .config import H2OConfig
+from .export import H2OOrtModel, export_onnx
 from .runtime import H2OModel, optimize
 from .support import UnsupportedModelError
+from .zoo import load_tiny
 
-__all__ = ["H2OConfig", "H2OModel", "UnsupportedModelError", "optimize"]
+__all__ = ["H2OConfig", "H2OModel", "H2OOrtModel", "UnsupportedModelError", "export_onnx", "load_tiny", "optimize"]
 __version__ = "0.1.0"

@@ -203,6 +203,17 @@ def add_bench_parser(sub) -> None:
     bench.set_defaults(func=cmd_bench)
 
 
+def cmd_export(args) -> int:
+    from .export import export_onnx
+
+    model, tokenizer = load_local(args.model, args.dtype)
+    out = export_onnx(model, args.output, budget=args.budget, max_seq_len=args.max_seq_len,
+                      batch_size=args.batch_size, policy=args.policy, recent_ratio=args.recent_ratio,
+                      sink_tokens=args.sink_tokens, prefill=args.prefill, opset=args.opset, tokenizer=tokenizer)
+    print(f"wrote {out} (model.onnx, h2o_config.json, config + tokenizer)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h2o-compile", description="H2O KV-cache eviction for Hugging Face LMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -238,6 +249,17 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--compile", choices=("on", "off"), default="on")
     ev.add_argument("--out", default="docs/results/eval")
     ev.set_defaults(func=cmd_eval)
+
+    exp = sub.add_parser("export", help="export an H2O model to ONNX for ONNX Runtime")
+    exp.add_argument("--model", required=True, help="local model folder")
+    exp.add_argument("-o", "--output", required=True, help="output folder")
+    add_h2o_args(exp)
+    exp.add_argument("--max-seq-len", type=int, default=None,
+                     help="prompt + new tokens the export serves (default min(2048, max positions))")
+    exp.add_argument("--batch-size", type=int, default=None, help="fix the batch size (default: dynamic)")
+    exp.add_argument("--opset", type=int, default=18)
+    exp.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    exp.set_defaults(func=cmd_export)
 
     demo = sub.add_parser("demo", help="offline demo: the shipped model, full cache vs H2O at 20%%")
     demo.add_argument("--max-new-tokens", type=int, default=64)

@@ -26,3 +26,17 @@ def test_bad_budget_is_one_line_error(model_dir, capsys):
 def test_missing_model_folder_is_an_error(tmp_path):
     with pytest.raises(SystemExit, match="not a folder with a config.json"):
         main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"])
+
+
+def test_export_then_generate_with_onnx_backend_matches_torch(model_dir, tmp_path, capsys):
+    out = tmp_path / "onnx"
+    assert main(["export", "--model", str(model_dir), "-o", str(out), "--budget", "8", "--max-seq-len", "20"]) == 0
+    assert (out / "model.onnx").is_file()
+    capsys.readouterr()
+    prompt = "w3 w9 w27 w81 w50 w12 w1 w8 w64 w30"
+    assert main(["generate", str(out), "--backend", "onnx", "--prompt", prompt, "--max-new-tokens", "8"]) == 0
+    onnx_text = capsys.readouterr().out.split("\n")[0]
+    assert main(["generate", "--model", str(model_dir), "--budget", "8", "--prompt", prompt, "--max-new-tokens", "8",
+                 "--compile", "off"]) == 0
+    torch_text = capsys.readouterr().out.split("\n")[0]
+    assert onnx_text == torch_text and len(onnx_text.split()) > 10  # the prompt + new words (EOS may stop early)

@@ -1,0 +1,231 @@
+"""Export an H2O model to ONNX: ``export_onnx(model, out_dir, budget=0.2, max_seq_len=2048)``.
+
+The exported graph is the functional H2O graph of passes/h2o_attention.py, one ``model.onnx``:
+
+    inputs   input_ids [B, T] int64, position_ids [B, T] int64, valid [B, T] bool,
+             past_key_values.{i}.key [B, Hkv, C, D], .value [B, Hkv, C, Dv], .score [B, Hkv, C] f32,
+             .position [B, Hkv, C] int64 (-1 = empty slot)
+    outputs  logits [B, T, V], present.{i}.key / .value / .score / .position (same shapes as the inputs)
+
+B and T are dynamic, C (the cache capacity, = H2OConfig.capacity(max_seq_len)) is static: it is the shape of
+the state, and the recent window and sink count baked into the graph are derived from it.
+
+Why one graph for prefill and decode: T is dynamic and the H2O function is the general block path of
+kernels/reference.py, which for T = 1 computes the same cache layout as the in-place decode fast path. A
+second graph would duplicate the weights (or need shared external data) for a decode step that costs the same
+apart from two TopK passes over C + 1 entries, which are small next to reading the C cached keys and values.
+
+Why ``position_ids`` + ``valid`` and not Optimum's ``attention_mask`` [B, past + T]: an evicting cache has
+no "past length" — slot j holds an arbitrary kept position — so the graph cannot derive positions from a
+mask over the past. The caller (ort.H2OOrtModel, like runtime.H2OModel) counts the valid tokens of each row
+and passes the true positions; ``valid`` is the block's own attention mask (False = left padding), which
+is all the graph needs to never attend to nor cache a padding token.
+
+Each attention site is one ``ai.h2o_compile::H2OAttention`` node, a model-local function of standard ops
+(export/onnx_function.py), so any ONNX Runtime provider runs the model without a custom-op library.
+Next to the model: ``h2o_config.json`` (everything ort.H2OOrtModel needs), the transformers config, the
+generation config and, when given or found, the tokenizer files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import H2OConfig
+from ..kernels.reference import POLICY_CODES, empty_state
+from ..passes import set_h2o_params
+from ..support import check_sequence_fits, check_supported
+
+MODEL_FILE = "model.onnx"
+CONFIG_FILE = "h2o_config.json"
+FORMAT = "h2o_compile.onnx"
+FORMAT_VERSION = 1
+SUPPORTED_OPSETS = range(18, 24)  # the function body is written with opset 18 ops, unchanged up to 23
+STATE_FIELDS = ("key", "value", "score", "position")  # per layer, in graph order
+_DTYPES = {torch.float32: "float32", torch.float16: "float16"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja")
+_UNSET = object()
+
+
+def state_input_names(num_layers: int) -> list[str]:
+    return [f"past_key_values.{i}.{f}" for i in range(num_layers) for f in STATE_FIELDS]
+
+
+def state_output_names(num_layers: int) -> list[str]:
+    return [f"present.{i}.{f}" for i in range(num_layers) for f in STATE_FIELDS]
+
+
+def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent,
+                     sinks, policy, seed):
+    """torch.ops.h2o.attention -> one call of the H2OAttention function (attributes carry the constants)."""
+    from .onnx_function import H2OAttentionNode
+
+    return H2OAttentionNode(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache,
+                            scale=float(scale), recent=int(recent), sinks=int(sinks),
+                            policy=POLICY_CODES[policy], seed=int(seed))
+
+
+def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed
+                    ) -> tuple[nn.Module, H2OConfig]:
+    """An H2OModel lends its H2OConfig (explicit arguments win); a transformers model gets the defaults."""
+    from ..runtime import H2OModel
+
+    given = {"budget": budget, "recent_ratio": recent_ratio, "sink_tokens": sink_tokens, "policy": policy,
+             "prefill": prefill, "seed": seed}
+    given = {k: v for k, v in given.items() if v is not _UNSET}
+    if isinstance(model, H2OModel):
+        base = model.h2o_config
+        # A new policy without sink_tokens takes that policy's default sinks, as H2OConfig would.
+        sinks = None if "policy" in given and "sink_tokens" not in given else base.sink_tokens
+        fields = {"budget": base.budget, "recent_ratio": base.recent_ratio, "policy": base.policy,
+                  "prefill": base.prefill, "seed": base.seed, "sink_tokens": sinks}
+        fields.update(given)
+        return model.model, H2OConfig(**fields)
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"export_onnx expects a transformers causal LM or an H2OModel, "
+                        f"got {type(model).__name__}")
+    return model, H2OConfig(**given)
+
+
+def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len: int | None = None,
+                batch_size: int | None = None, policy=_UNSET, recent_ratio=_UNSET, sink_tokens=_UNSET,
+                prefill=_UNSET, seed=_UNSET, opset: int = 18, tokenizer=None) -> Path:
+    """Export ``model`` (a transformers causal LM or an :class:`H2OModel`) with its H2O cache to ``out_dir``.
+
+    Args:
+        budget, policy, recent_ratio, sink_tokens, prefill, seed: as :class:`H2OConfig` (default: the
+            H2OModel's own settings, else H2OConfig's defaults). ``prefill`` is recorded for the ORT model.
+        max_seq_len: the longest prompt + new tokens the export serves (default: the model's
+            max_position_embeddings, at most 2048). Fixes the capacity C = capacity(max_seq_len).
+        batch_size: None (default) exports a dynamic batch axis; an int fixes it.
+        opset: ONNX opset of the model, 18..23.
+        tokenizer: saved next to the model when given; otherwise tokenizer files found in the model's
+            ``name_or_path`` directory are copied.
+    Returns:
+        ``out_dir`` as a Path. Raises ValueError for bad arguments, before anything is written.
+    """
+    from ..runtime import build_graph  # runtime imports export lazily via the package; avoid a cycle
+
+    hf_model, config = _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed)
+    if opset not in SUPPORTED_OPSETS:
+        raise ValueError(f"opset={opset!r}; allowed: {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size={batch_size!r} must be None (dynamic) or an int >= 1")
+    max_pos = getattr(getattr(hf_model, "config", None), "max_position_embeddings", None)
+    if max_seq_len is None:
+        max_seq_len = min(max_pos or 2048, 2048)
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 1 (prompt + new tokens)")
+    capacity = config.capacity(max_seq_len)
+    recent = config.recent_window(capacity)
+    check_sequence_fits(check_supported(hf_model), max_seq_len)  # from the config, before the slow capture
+
+    graph, layers, _ = build_graph(hf_model, functional=True)
+    dtype = layers[0].dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"model dtype {dtype} is not supported by the ONNX export; use float32 or float16")
+    set_h2o_params(graph, recent=recent, sinks=config.sink_tokens, policy=config.policy, seed=config.seed)
+
+    program = _export_program(graph, layers, capacity, max_seq_len, batch_size, opset)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "model_file": MODEL_FILE,
+        "budget": config.budget, "policy": config.policy, "recent_ratio": config.recent_ratio,
+        "sink_tokens": config.sink_tokens, "seed": config.seed, "prefill": config.prefill,
+        "capacity": capacity, "recent": recent, "max_seq_len": max_seq_len, "batch_size": batch_size,
+        "opset": opset, "dtype": _DTYPES[dtype], "vocab_size": int(hf_model.config.vocab_size),
+        "num_layers": len(layers),
+        "layers": [{"kv_heads": s.kv_heads, "head_dim": s.head_dim, "value_dim": s.value_dim}
+                   for s in layers],
+        "model_type": getattr(hf_model.config, "model_type", None),
+        "architecture": type(hf_model).__name__,
+    }
+    program.model.metadata_props["h2o_compile"] = json.dumps(meta, sort_keys=True)
+    program.save(out_dir / MODEL_FILE)
+    (out_dir / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    _save_companions(hf_model, out_dir, tokenizer)
+    return out_dir
+
+
+def _export_program(graph, layers, capacity: int, max_seq_len: int, batch_size: int | None, opset: int):
+    """torch.onnx.export (dynamo) of the functional graph; returns the ONNXProgram with the function kept."""
+    import onnxscript.optimizer
+    from onnxscript import ir
+
+    from .onnx_function import DOMAIN, H2OAttention
+
+    example_b = batch_size or 2
+    example_t = 3  # not 0/1 (torch.export would specialise) and different from B so the two stay independent
+    device = next(graph.parameters()).device
+    input_ids = torch.zeros(example_b, example_t, dtype=torch.long, device=device)
+    positions = torch.arange(example_t, device=device).expand(example_b, -1).contiguous()
+    valid = torch.ones(example_b, example_t, dtype=torch.bool, device=device)
+    state = []
+    for spec in layers:
+        state.extend(empty_state(example_b, spec.kv_heads, capacity, spec.head_dim, value_dim=spec.value_dim,
+                                 dtype=spec.dtype, device=device))
+    batch = torch.export.Dim("batch", min=1, max=4096) if batch_size is None else None
+    block = torch.export.Dim("block", min=1, max=max(max_seq_len, example_t))
+    token_dims = {0: batch, 1: block} if batch is not None else {1: block}
+    state_dims = {0: batch} if batch is not None else None
+    dynamic = (token_dims, token_dims, token_dims) + (state_dims,) * len(state)
+    names_in = ["input_ids", "position_ids", "valid"] + state_input_names(len(layers))
+    names_out = ["logits"] + state_output_names(len(layers))
+    with torch.no_grad(), _quiet_exporter():
+        program = torch.onnx.export(
+            graph, (input_ids, positions, valid, *state), dynamo=True, dynamic_shapes=dynamic,
+            input_names=names_in, output_names=names_out, opset_version=opset,
+            custom_translation_table={torch.ops.h2o.attention.default: _h2o_translation},
+            optimize=False, verbose=False)
+    # The exporter's own optimize() inlines every function; fold constants but keep H2OAttention a node.
+    onnxscript.optimizer.optimize_ir(program.model, inline=False)
+    function = ir.serde.deserialize_function(H2OAttention.to_function_proto())
+    function.opset_imports[""] = opset  # written with opset 18 ops whose semantics 19..23 keep
+    program.model.functions[function.identifier()] = function
+    program.model.opset_imports[DOMAIN] = 1
+    return program
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """Silence exporter notes that do not concern this export (torchvision ops, axis renaming, ...)."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*axis name.*will not be used")
+            warnings.filterwarnings("ignore", category=FutureWarning, message=r".*LeafSpec.*")
+            # The unlifted torch.export module reports training mode but has no dropout and refuses .eval().
+            warnings.filterwarnings("ignore", message=r"Exporting a model while it is in training mode")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _save_companions(hf_model, out_dir: Path, tokenizer) -> None:
+    """transformers config + generation config + tokenizer files, so the ORT model needs nothing else."""
+    hf_model.config.save_pretrained(out_dir)
+    generation_config = getattr(hf_model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+        return
+    source = Path(str(getattr(hf_model.config, "_name_or_path", "") or ""))
+    if source.is_dir() and source.resolve() != out_dir.resolve():
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, out_dir / name)

@@ -1,0 +1,201 @@
+"""``ai.h2o_compile::H2OAttention``: kernels/reference.py ``h2o_attention`` as an ONNX model-local function.
+
+The body uses standard ONNX ops only (opset 18: MatMul, Softmax, TopK, GatherElements, GatherND, ScatterND,
+CumSum, Where, ...), so every ONNX Runtime execution provider runs it without a custom-op library, and the
+exported graph still shows one readable node per layer.
+
+Signature (shapes as in kernels/reference.py; C = cache slots, S = C + T):
+
+    H2OAttention<scale: float, recent: int, sinks: int, policy: int, seed: int>(
+        q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], positions [B, T] int64, valid [B, T] bool,
+        key_cache [B, Hkv, C, D], value_cache [B, Hkv, C, Dv], score_cache [B, Hkv, C] f32,
+        pos_cache [B, Hkv, C] int64)
+    -> out [B, Hq, T, Dv], key_cache', value_cache', score_cache', pos_cache'
+
+``policy`` is the integer code of reference.POLICY_CODES. The body computes the priorities of every policy
+and selects one with Where: the unused ones cost a few element-wise ops over [B, Hkv, S], little next to the
+attention, and one function serves every policy.
+
+Precondition (kept by every state this function and reference.empty_state produce): an empty slot
+(position -1) holds zero key, value and score.
+
+Equivalence with the reference, step by step:
+- attention: the same fp32 masked softmax; cache and block keys are multiplied separately and the logits
+  concatenated, which equals attending over the concatenated keys without copying the cache.
+- ranking: keeping the top C of S entries by (priority desc, position desc) is evicting the bottom T by
+  (priority asc, position asc). ONNX TopK puts the lower index first among equal values, so a TopK that sorts
+  by position followed by a TopK(smallest, k=T) over the gathered priorities reproduces the reference's two
+  stable sorts. Positions are distinct except -1 (empty / padding), whose priority is -inf and which are
+  never kept, so the position sort needs no tie rule.
+- the random policy's Lehmer hash is integer Mul/Mod on int64; ONNX Mod with fmod=0 takes the divisor's sign,
+  like torch's ``%``, and no intermediate exceeds 2^48, so the result is bit-identical.
+- the slot-stable assignment scatters the kept new tokens by rank. Tokens that are not kept go to distinct
+  overflow columns T + 1 + t (instead of one shared column as in the reference), so ScatterElements never sees
+  duplicate indices, whose order ONNX leaves undefined.
+- keys / values: only the slots that change are written (see the comment in the body), with the values the
+  reference's gather-and-blend gives them; the other slots are copied.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnxscript import BOOL, FLOAT, INT64, script
+from onnxscript import opset18 as op
+from onnxscript.values import Op, Opset
+
+DOMAIN = "ai.h2o_compile"
+FUNCTION_NAME = "H2OAttention"
+H2O_OPSET = Opset(DOMAIN, 1)
+
+# Lehmer hash constants of reference.random_priority, spelled out because the function body cannot import.
+# _LEHMER_MOD = 2147483647, _LEHMER_MUL = 48271, position multiplier 2654435761, seed multiplier 7919.
+
+
+@script(H2O_OPSET, default_opset=op)
+def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache,
+                 scale: float, recent: int, sinks: int, policy: int, seed: int):
+    # ---- shapes (1-D int64 tensors of one element) -----------------------------------------------------
+    b = op.Shape(q, start=0, end=1)
+    hkv = op.Shape(k, start=1, end=2)
+    t = op.Shape(q, start=2, end=3)
+    d = op.Shape(q, start=3, end=4)
+    dv = op.Shape(v, start=3, end=4)
+    cap = op.Shape(pos_cache, start=2, end=3)
+    zero_i = op.Constant(value_int=0)
+    one_i = op.Constant(value_int=1)
+    minus1 = op.Constant(value_int=-1)
+
+    # ---- the block: padding tokens get position -1 and are never attended nor cached -------------------
+    new_pos = op.Where(valid, positions, minus1)                                       # [B, T]
+    newest = op.Unsqueeze(op.ReduceMax(new_pos, [1], keepdims=1), [2])                 # [B, 1, 1]
+    new_pos_h = op.Expand(op.Unsqueeze(new_pos, [1]), op.Concat(b, hkv, t, axis=0))    # [B, Hkv, T]
+    all_pos = op.Concat(pos_cache, new_pos_h, axis=2)                                  # [B, Hkv, S]
+    s = op.Shape(all_pos, start=2, end=3)
+    k_new = op.CastLike(k, key_cache)  # the reference stores the block in the cache dtype before attending
+    v_new = op.CastLike(v, value_cache)
+
+    # ---- attention in fp32. The query heads of one KV head are rows of one matrix ([B, Hkv, G*T, D],
+    # a free reshape of [B, Hq, T, D]), and cache and block are multiplied separately: concatenating them
+    # first would copy the whole cache every step.
+    qg = op.Reshape(op.Cast(q, to=FLOAT.dtype), op.Concat(b, hkv, [-1], d, axis=0))     # [B, Hkv, G*T, D]
+    keys_t = op.Transpose(op.Cast(key_cache, to=FLOAT.dtype), perm=[0, 1, 3, 2])       # [B, Hkv, D, C]
+    block_t = op.Transpose(op.Cast(k_new, to=FLOAT.dtype), perm=[0, 1, 3, 2])          # [B, Hkv, D, T]
+    logits = op.Concat(op.MatMul(qg, keys_t), op.MatMul(qg, block_t), axis=-1)
+    logits = op.Mul(logits, op.Constant(value_float=scale))                           # [B, Hkv, G*T, S]
+    logits = op.Reshape(logits, op.Concat(b, hkv, [-1], t, s, axis=0))                 # [B, Hkv, G, T, S]
+    kp = op.Unsqueeze(all_pos, [2, 3])                                                 # [B, Hkv, 1, 1, S]
+    causal = op.LessOrEqual(kp, op.Unsqueeze(positions, [1, 2, 4]))                   # over true positions
+    visible = op.And(op.And(op.GreaterOrEqual(kp, zero_i), causal), op.Unsqueeze(valid, [1, 2, 4]))
+    # visible: [B, Hkv, 1, T, S]
+    # A padding query sees nothing: softmax over a finite floor (no NaN), then zeroed by the mask.
+    logits = op.Where(visible, logits, op.Constant(value_float=-3.4028234663852886e38))
+    probs = op.Mul(op.Softmax(logits, axis=-1), op.Cast(visible, to=FLOAT.dtype))      # [B, Hkv, G, T, S]
+    mass = op.ReduceSum(probs, [2, 3], keepdims=0)                                     # [B, Hkv, S]
+    probs = op.Reshape(probs, op.Concat(b, hkv, [-1], s, axis=0))                      # [B, Hkv, G*T, S]
+    int_max = op.Constant(value_ints=[9223372036854775807])
+    out = op.Add(op.MatMul(op.Slice(probs, [0], cap, [3]), op.Cast(value_cache, to=FLOAT.dtype)),
+                 op.MatMul(op.Slice(probs, cap, int_max, [3]), op.Cast(v_new, to=FLOAT.dtype)))
+    out = op.CastLike(op.Reshape(out, op.Concat(b, [-1], t, dv, axis=0)), q)          # [B, Hq, T, Dv]
+    all_scores = op.Add(op.Concat(score_cache, op.ConstantOfShape(op.Shape(new_pos_h)), axis=2), mass)
+
+    # ---- eviction priority (larger stays) ------------------------------------------------------------
+    pos_f = op.Cast(all_pos, to=FLOAT.dtype)
+    lehmer_mod = op.Constant(value_int=2147483647)
+    lehmer_mul = op.Constant(value_int=48271)
+    salt = op.Add(op.Mul(op.Constant(value_int=seed), op.Constant(value_int=7919)), one_i)
+    x = op.Mod(op.Add(op.Mul(all_pos, op.Constant(value_int=2654435761)), salt), lehmer_mod)
+    x = op.Mod(op.Mul(x, lehmer_mul), lehmer_mod)
+    x = op.Mod(op.Mul(x, lehmer_mul), lehmer_mod)
+    code = op.Constant(value_int=policy)
+    not_h2o = op.Where(op.Equal(code, op.Constant(value_int=3)), op.Cast(x, to=FLOAT.dtype), pos_f)
+    by_policy = op.Where(op.Equal(code, zero_i), all_scores, not_h2o)
+    protected = op.Or(op.Less(all_pos, op.Constant(value_int=sinks)),
+                      op.Greater(all_pos, op.Sub(newest, op.Constant(value_int=recent))))
+    priority = op.Where(protected, op.Constant(value_float=float("inf")), by_policy)
+    priority = op.Where(op.Less(all_pos, zero_i), op.Constant(value_float=float("-inf")), priority)
+
+    # ---- keep the top C of S by (priority desc, position desc) = evict the bottom T ------------------
+    # by (priority asc, position asc): sort by position, then TopK(smallest) keeps that order among ties.
+    _, by_pos = op.TopK(pos_f, s, axis=-1, largest=0, sorted=1)                        # [B, Hkv, S]
+    _, low = op.TopK(op.GatherElements(priority, by_pos, axis=2), t, axis=-1, largest=0, sorted=1)
+    evicted_idx = op.GatherElements(by_pos, low, axis=2)                               # [B, Hkv, T]
+    evicted = op.ScatterElements(op.ConstantOfShape(op.Shape(all_pos), value=[0]), evicted_idx,
+                                 op.Expand(one_i, op.Shape(evicted_idx)), axis=2)      # [B, Hkv, S]
+    keep = op.And(op.Not(op.Cast(evicted, to=BOOL.dtype)), op.GreaterOrEqual(all_pos, zero_i))
+
+    # ---- slot-stable assignment: the r-th freed slot gets the r-th kept new token ---------------------
+    kept_old = op.Slice(keep, [0], cap, [2])                                           # [B, Hkv, C]
+    kept_new = op.Slice(keep, cap, int_max, [2])                                       # [B, Hkv, T]
+    freed = op.Not(kept_old)
+    t_scalar = op.Squeeze(t, [0])
+    t_idx = op.Expand(op.Range(zero_i, t_scalar, one_i), op.Shape(new_pos_h))          # [B, Hkv, T]
+    new_rank = op.Sub(op.CumSum(op.Cast(kept_new, to=INT64.dtype), [2]), one_i)
+    t1 = op.Add(t, one_i)
+    dest = op.Where(kept_new, new_rank, op.Add(t_idx, t1))                             # distinct, < 2T+1
+    empty = op.ConstantOfShape(op.Concat(b, hkv, op.Add(t, t1), axis=0), value=[-1])   # [B, Hkv, 2T+1]
+    source_by_rank = op.ScatterElements(empty, dest, t_idx, axis=2)
+    # Column T stays -1: it answers every freed slot beyond the number of kept new tokens.
+    source_by_rank = op.Slice(source_by_rank, [0], t1, [2])                           # [B, Hkv, T+1]
+    free_rank = op.Sub(op.CumSum(op.Cast(freed, to=INT64.dtype), [2]), one_i)
+    free_rank = op.Min(op.Max(free_rank, zero_i), t_scalar)
+    source = op.Where(freed, op.GatherElements(source_by_rank, free_rank, axis=2), minus1)   # [B,Hkv,C]
+    filled = op.GreaterOrEqual(source, zero_i)
+
+    # ---- the new keys / values: rewrite only the slots that change --------------------------------------
+    # A slot changes when it is freed and either receives a new token or held an entry (which is evicted
+    # and becomes empty). Freed slots that were already empty hold zeros (every empty slot does, from
+    # empty_state and from this function) and stay as they are. At most 2T slots change (T evictions, T
+    # arrivals), so a TopK of min(2T, C) slot indices covers them; the extra indices in that list write
+    # back their own value. One scatter then copies the cache once instead of blending all C x D.
+    changed = op.And(freed, op.Or(filled, op.GreaterOrEqual(pos_cache, zero_i)))      # [B, Hkv, C]
+    m = op.Min(op.Add(t, t), cap)
+    _, slots = op.TopK(op.Cast(changed, to=FLOAT.dtype), m, axis=-1, largest=1, sorted=1)   # [B,Hkv,M]
+    slot_changed = op.Unsqueeze(op.GatherElements(changed, slots, axis=2), [3])         # [B, Hkv, M, 1]
+    # Row T of [block; zero row] is the empty entry.
+    row = op.Unsqueeze(op.GatherElements(op.Where(filled, source, t_scalar), slots, axis=2), [3])
+    slot_rows = op.Unsqueeze(slots, [3])
+    zero_k = op.CastLike(op.ConstantOfShape(op.Concat(b, hkv, [1], d, axis=0)), key_cache)
+    zero_v = op.CastLike(op.ConstantOfShape(op.Concat(b, hkv, [1], dv, axis=0)), value_cache)
+    upd_k = op.Where(slot_changed, op.GatherND(op.Concat(k_new, zero_k, axis=2), row, batch_dims=2),
+                     op.GatherND(key_cache, slot_rows, batch_dims=2))                 # [B, Hkv, M, D]
+    upd_v = op.Where(slot_changed, op.GatherND(op.Concat(v_new, zero_v, axis=2), row, batch_dims=2),
+                     op.GatherND(value_cache, slot_rows, batch_dims=2))               # [B, Hkv, M, Dv]
+    # ScatterND (full (b, h, slot) coordinates) copies the cache faster than ScatterElements in ORT.
+    grid = op.Shape(slot_rows)                                                         # [B, Hkv, M, 1]
+    b_idx = op.Expand(op.Unsqueeze(op.Range(zero_i, op.Squeeze(b, [0]), one_i), [1, 2, 3]), grid)
+    h_idx = op.Expand(op.Unsqueeze(op.Range(zero_i, op.Squeeze(hkv, [0]), one_i), [0, 2, 3]), grid)
+    coords = op.Concat(b_idx, h_idx, slot_rows, axis=3)                                # [B, Hkv, M, 3]
+    new_keys = op.ScatterND(key_cache, coords, upd_k)
+    new_values = op.ScatterND(value_cache, coords, upd_v)
+    src = op.Add(op.Max(source, zero_i), cap)                                          # index into S
+    fresh_scores = op.Where(filled, op.GatherElements(all_scores, src, axis=2), op.Constant(value_float=0.0))
+    new_scores = op.Where(kept_old, op.Slice(all_scores, [0], cap, [2]), fresh_scores)
+    new_positions = op.Where(kept_old, pos_cache, op.Where(filled, op.GatherElements(all_pos, src, axis=2),
+                                                           minus1))
+    return out, new_keys, new_values, new_scores, new_positions
+
+
+_INPUTS = (("q", "T"), ("k", "T"), ("v", "T"), ("positions", "tensor(int64)"), ("valid", "tensor(bool)"),
+           ("key_cache", "TC"), ("value_cache", "TC"), ("score_cache", "tensor(float)"),
+           ("pos_cache", "tensor(int64)"))
+_OUTPUTS = (("out", "T"), ("new_key_cache", "TC"), ("new_value_cache", "TC"),
+            ("new_score_cache", "tensor(float)"), ("new_pos_cache", "tensor(int64)"))
+_ATTRIBUTES = (("scale", "FLOAT"), ("recent", "INT"), ("sinks", "INT"), ("policy", "INT"), ("seed", "INT"))
+
+
+def _schema() -> onnx.defs.OpSchema:
+    """The node's signature, used only while exporting: the exporter builds nodes from an OpSchema, and a
+    plain custom-domain node (instead of a call to the onnxscript function) survives the exporter's opset
+    conversion, which inlines every model function; export_onnx attaches the function body afterwards."""
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+    param = onnx.defs.OpSchema.FormalParameter
+    return onnx.defs.OpSchema(
+        FUNCTION_NAME, DOMAIN, 1, doc=__doc__,
+        inputs=[param(name, ty) for name, ty in _INPUTS],
+        outputs=[param(name, ty) for name, ty in _OUTPUTS],
+        type_constraints=[("T", floats, "attention dtype"), ("TC", floats, "cache dtype")],
+        attributes=[onnx.defs.OpSchema.Attribute(name, getattr(onnx.defs.OpSchema.AttrType, ty), "")
+                    for name, ty in _ATTRIBUTES])
+
+
+H2OAttentionNode = Op(H2O_OPSET, FUNCTION_NAME, _schema())

@@ -1,0 +1,222 @@
+"""export_onnx + H2OOrtModel against H2OModel (the PyTorch runtime over the reference op).
+
+Three random architectures (Llama with GQA, GPT-2, Qwen3) are exported once per module, with different
+policies and prefill modes; each is then driven step by step next to an H2OModel with the same settings:
+logits, kept positions of every layer and greedy tokens must agree while the cache evicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+import h2o_compile
+from h2o_compile.export.onnx import export_onnx
+from h2o_compile.export.onnx_function import DOMAIN, FUNCTION_NAME
+from h2o_compile.export.ort import H2OOrtModel
+
+from ..runtime.arch_configs import VOCAB, build
+
+MAX_SEQ_LEN = 64
+# name -> (architecture, export / optimize settings). Int budgets give both runtimes the same C whatever
+# max_seq_len reset() gets; the float budget is checked at the exported max_seq_len.
+CASES = {
+    "llama_h2o": ("llama", {"budget": 6, "sink_tokens": 1, "policy": "h2o"}),
+    "gpt2_local_chunked": ("gpt2", {"budget": 7, "policy": "local", "prefill": 4}),
+    "qwen3_random": ("qwen3", {"budget": 0.125, "sink_tokens": 1, "policy": "random", "seed": 7}),
+}
+
+
+def word_tokenizer():
+    """A tiny offline tokenizer over the test vocabulary: "t5 t7" -> [5, 7]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(1, VOCAB)} | {"[UNK]": 0}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """name -> (transformers model, export dir); exported lazily, once per module."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            arch, settings = CASES[name]
+            model = build(arch, seed=1)
+            tokenizer = word_tokenizer() if name == "gpt2_local_chunked" else None
+            out = export_onnx(model, tmp_path_factory.mktemp(name), max_seq_len=MAX_SEQ_LEN,
+                              tokenizer=tokenizer, **settings)
+            cache[name] = (model, out)
+        return cache[name]
+
+    return get
+
+
+def prompts(seed=3, batch=2, length=10):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (batch, length), generator=gen)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[1, :3] = 0  # left padding in the second row
+    ids[1, :3] = 0
+    return ids, mask
+
+
+def drive_both(ours, theirs, ids, mask, steps, max_seq_len):
+    """Prompt, then ``steps`` greedy decode steps on both; returns (max |logit diff|, evicting steps)."""
+    ours.reset(ids.shape[0], max_seq_len)
+    theirs.reset(ids.shape[0], max_seq_len)
+    a, b = ours.step(ids, mask), theirs.step(ids, mask)
+    valid = mask.bool()
+    worst = (a - b)[valid].abs().max().item()
+    layers = len(theirs.layers)
+    evicting = 0
+    for step in range(steps):
+        for layer in range(layers):
+            kept = ours.kept_positions(layer)
+            want = theirs.kept_positions(layer)
+            assert torch.equal(kept, want), f"kept positions, layer {layer}, step {step}"
+        full = (ours.kept_positions(0) >= 0).sum(-1).eq(ours.capacity).all()
+        evicting += int(full)
+        token = b[:, -1].argmax(-1, keepdim=True)
+        assert torch.equal(a[:, -1].argmax(-1), b[:, -1].argmax(-1)), f"greedy token, step {step}"
+        a, b = ours.step(token), theirs.step(token)
+        worst = max(worst, (a - b).abs().max().item())
+    return worst, evicting
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_positions_and_tokens_match_h2o_model(exported, name):
+    model, out = exported(name)
+    _, settings = CASES[name]
+    ours = H2OOrtModel.from_pretrained(out, provider="cpu")
+    theirs = h2o_compile.optimize(model, compile=False, **settings)
+    ids, mask = prompts()
+    worst, evicting = drive_both(ours, theirs, ids, mask, steps=32, max_seq_len=MAX_SEQ_LEN)
+    assert worst < 1e-4, f"max logit difference {worst}"
+    assert evicting >= 20, "the cache should be full (and evicting) for most decode steps"
+    assert ours.capacity == theirs.capacity
+    assert ours.kv_cache_bytes() == theirs.kv_cache_bytes()  # same state tensors, batch of the last reset
+    # generate(): same arguments, same result, including the generation_config defaults (eos / pad).
+    theirs_ids = theirs.generate(ids, attention_mask=mask, max_new_tokens=MAX_SEQ_LEN - ids.shape[1])
+    ours_ids = ours.generate(ids, attention_mask=mask, max_new_tokens=MAX_SEQ_LEN - ids.shape[1])
+    assert torch.equal(ours_ids, theirs_ids)
+
+
+def test_graph_has_the_h2o_function_and_optimum_names(exported):
+    model, out = exported("llama_h2o")
+    proto = onnx.load(str(out / "model.onnx"))
+    onnx.checker.check_model(proto, full_check=True)
+    layers = model.config.num_hidden_layers
+    h2o_nodes = [n for n in proto.graph.node if n.domain == DOMAIN]
+    assert len(h2o_nodes) == layers and all(n.op_type == FUNCTION_NAME for n in h2o_nodes)
+    (function,) = [f for f in proto.functions if f.domain == DOMAIN]
+    assert function.name == FUNCTION_NAME and {n.domain for n in function.node} == {""}
+    assert {o.domain: o.version for o in proto.opset_import}[DOMAIN] == 1
+    # The exported graph holds no attention of its own: every softmax is inside the function.
+    assert not any(n.op_type == "Softmax" for n in proto.graph.node)
+
+    inputs = {i.name: i for i in proto.graph.input}
+    outputs = [o.name for o in proto.graph.output]
+    fields = ("key", "value", "score", "position")
+    assert list(inputs)[:3] == ["input_ids", "position_ids", "valid"]
+    assert list(inputs)[3:] == [f"past_key_values.{i}.{f}" for i in range(layers) for f in fields]
+    assert outputs == ["logits"] + [f"present.{i}.{f}" for i in range(layers) for f in fields]
+
+    def dims(value):
+        return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+    b, t = dims(inputs["input_ids"])
+    assert isinstance(b, str) and isinstance(t, str) and b != t  # dynamic batch and block length
+    assert dims(inputs["past_key_values.0.key"]) == [b, 2, 6, 64 // 8]  # [B, Hkv, C, D], C static
+    meta = json.loads((out / "h2o_config.json").read_text())
+    assert meta["capacity"] == 6 and meta["recent"] == 3 and meta["sink_tokens"] == 1
+    assert meta["policy"] == "h2o" and meta["max_seq_len"] == MAX_SEQ_LEN and meta["dtype"] == "float32"
+    assert json.loads({p.key: p.value for p in proto.metadata_props}["h2o_compile"]) == meta
+    assert (out / "config.json").is_file()
+
+
+def test_plain_session_needs_no_custom_op_library(exported):
+    _, out = exported("llama_h2o")
+    session = ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert session.get_providers() == ["CPUExecutionProvider"]
+
+
+def test_float_budget_capacity(exported):
+    _, out = exported("qwen3_random")
+    meta = json.loads((out / "h2o_config.json").read_text())
+    assert meta["capacity"] == 8 and meta["budget"] == 0.125  # ceil(0.125 x 64)
+
+
+def test_save_load_round_trip(exported, tmp_path):
+    _, out = exported("gpt2_local_chunked")
+    first = H2OOrtModel.from_pretrained(out, provider="cpu")
+    saved = first.save_pretrained(tmp_path / "copy")
+    for name in ("model.onnx", "h2o_config.json", "config.json", "generation_config.json", "tokenizer.json"):
+        assert (saved / name).is_file(), name
+    second = H2OOrtModel.from_pretrained(saved, provider="cpu")
+    assert second.tokenizer("t5 t7 t9")["input_ids"] == [5, 7, 9]
+    assert second.config.model_type == "gpt2" and second.config.n_embd == 64
+    ids, mask = prompts(seed=5)
+    a = first.generate(ids, attention_mask=mask, max_new_tokens=20, pad_token_id=0)
+    b = second.generate(ids, attention_mask=mask, max_new_tokens=20, pad_token_id=0)
+    assert torch.equal(a, b) and a.shape == (2, 30)
+    assert first.meta == second.meta
+
+
+def test_max_seq_len_bounds_generate(exported):
+    _, out = exported("llama_h2o")
+    model = H2OOrtModel.from_pretrained(out, provider="cpu")
+    ids, mask = prompts()
+    with pytest.raises(ValueError, match="exceeds the exported max_seq_len=64"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=MAX_SEQ_LEN - ids.shape[1] + 1)
+    model.reset(2, 12)
+    model.step(ids, mask)
+    with pytest.raises(ValueError, match="exceed max_seq_len=12"):
+        model.step(ids[:, :3])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"budget": 0}, "budget=0"),
+    ({"budget": 1.5}, "budget=1.5"),
+    ({"policy": "lru"}, "policy='lru'"),
+    ({"opset": 17}, "opset=17"),
+    ({"batch_size": 0}, "batch_size=0"),
+    ({"max_seq_len": 0}, "max_seq_len=0"),
+    ({"budget": 4, "sink_tokens": 3}, "sink_tokens"),
+])
+def test_bad_export_arguments_raise_value_error(tmp_path, kwargs, match):
+    model = build("llama")
+    with pytest.raises(ValueError, match=match):
+        export_onnx(model, tmp_path / "never", **kwargs)
+    assert not (tmp_path / "never").exists()
+
+
+def test_too_long_for_the_model_raises(tmp_path):
+    with pytest.raises(ValueError, match="max_position_embeddings=128"):
+        export_onnx(build("llama"), tmp_path / "never", max_seq_len=129)
+
+
+def test_bad_ort_arguments_raise_value_error(exported, tmp_path):
+    _, out = exported("llama_h2o")
+    with pytest.raises(ValueError, match="no model.onnx"):
+        H2OOrtModel.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="provider='NoSuchExecutionProvider' is not available"):
+        H2OOrtModel.from_pretrained(out, provider="NoSuchExecutionProvider")
+    model = H2OOrtModel.from_pretrained(out, provider="cpu")
+    assert model.tokenizer is None  # exported without one
+    with pytest.raises(RuntimeError, match="call reset"):
+        model.step(torch.ones(1, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="batch_size=0"):
+        model.reset(0, 8)
+    model.reset(2, 8)
+    with pytest.raises(ValueError, match=r"input_ids must be a tensor \[batch=2, T\]"):
+        model.step(torch.ones(3, 1, dtype=torch.long))
