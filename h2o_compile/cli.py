@@ -127,12 +127,19 @@ def cmd_eval(args) -> int:
                             num_seqs=args.num_seqs, batch_size=args.batch_size, prompt_len=args.prompt_len,
                             gen_prompt_len=args.gen_prompt_len, gen_new_tokens=args.gen_new_tokens,
                             gen_prompts=args.gen_prompts, compile=args.compile != "off")
-    texts = [read_tail(path, args.tail) for path in args.text]
+    if args.heldout is not None:
+        from .zoo.data import read_corpus
+
+        texts = read_corpus(args.text, heldout_frac=args.heldout)[1]
+        names = [f"{Path(p).name} (held-out last {args.heldout:.0%}, cleaned as in training)" for p in args.text]
+    else:
+        texts = [read_tail(path, args.tail) for path in args.text]
+        names = [f"{Path(p).name} (last {args.tail:.0%})" for p in args.text]
     start = time.perf_counter()
     result = evaluate(model, tokenizer, texts, settings)
     elapsed = time.perf_counter() - start
     paths = write_eval_report(result, args.out, model_name=Path(args.model).name if args.model else "tiny-llama",
-                              text_names=[f"{Path(p).name} (last {args.tail:.0%})" for p in args.text],
+                              text_names=names,
                               elapsed_s=elapsed)
     print(paths["markdown"].read_text())
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
@@ -237,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default=None, help="model folder (default: the shipped tiny model)")
     ev.add_argument("--text", nargs="+", required=True, help="text file(s) to evaluate on")
     ev.add_argument("--tail", type=float, default=1.0, help="use only the last fraction of each file (0.1)")
+    ev.add_argument("--heldout", type=float, default=None,
+                    help="use the held-out tail exactly as the shipped model's trainer split it (e.g. 0.1)")
     ev.add_argument("--budgets", type=_csv(float), default=[0.05, 0.1, 0.2, 0.5, 1.0])
     ev.add_argument("--policies", type=_csv(str), default=["full", "h2o", "local", "sink", "random"])
     ev.add_argument("--seq-len", type=int, default=1024)
