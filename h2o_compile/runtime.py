@@ -114,7 +114,10 @@ class H2OModel(nn.Module):
         key = (int(self.seen.shape[0]), self.capacity)
         if key not in self._compiled:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self._compiled[key] = torch.compile(self._run_graph, fullgraph=True, dynamic=False, mode=mode)
+            # Compile the GraphModule itself, not a method of this class: dynamo counts recompiles per code
+            # object, and every graph (and every set_h2o_params) has its own generated forward, so many
+            # H2OModels in one process (an eval sweep) never share one recompile limit.
+            self._compiled[key] = torch.compile(self.graph, fullgraph=True, dynamic=False, mode=mode)
         return self._compiled[key]
 
     @torch.no_grad()
