@@ -1,0 +1,387 @@
+"""Decode benchmark: H2OModel against transformers' own caches, in one process, plus a memory roofline.
+
+``run_bench(settings)`` returns a JSON-ready dict; ``bench_report.write_bench_report`` writes it as JSON,
+markdown and PNG. The CLI (``h2o-compile bench``) and ``benchmarks/decode.py`` call these two.
+
+What is measured, per (model, batch B, total length N):
+- decode: the cache of every contender is filled synthetically with ``context = N - steps`` tokens (see
+  bench_contenders), then ``steps`` single-token steps run, the last at N tokens. The same token ids and
+  positions go to every contender. ``warmup`` steps (which include torch.compile) run first and are not
+  timed; then ``repeats`` timed blocks, the contender order reversed every other repeat; after each block the
+  cache is restored to ``context`` tokens. Latency p50/p95 pool the steps of all blocks; tokens/s is the
+  median over blocks of B x steps / block time.
+- prefill: a real forward over a random prompt of ``context`` tokens at batch 1 into a fresh cache (eager for
+  every contender; transformers' generate does not compile prefill either).
+- memory: cache bytes from tensor sizes; the transient RSS peak above resident during a timed block (Linux
+  VmHWM reset through /proc/self/clear_refs); the process peak RSS (ru_maxrss) at the end.
+- roofline: (weight bytes + cache bytes read per step) / memory bandwidth measured by a large tensor copy.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .bench_contenders import build_contenders
+
+KVBOUND = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+               intermediate_size=1024, vocab_size=8192, max_position_embeddings=4096)
+SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=256, max_position_embeddings=512)
+MODEL_NAMES = ("tiny", "kvbound", "smoke")
+
+
+@dataclass
+class BenchSettings:
+    models: list = field(default_factory=lambda: ["tiny", "kvbound"])
+    batches: list = field(default_factory=lambda: [1, 8])
+    totals: list = field(default_factory=lambda: [1024, 4096])
+    budgets: list = field(default_factory=lambda: [0.1, 0.2, 0.5])
+    local_budget: float = 0.2
+    steps: int = 16
+    warmup: int = 3
+    repeats: int = 5
+    prefill: bool = True
+    prefill_repeats: int = 1
+    compile: bool = True
+    contenders: list | None = None
+    bandwidth_mib: int = 512
+    seed: int = 0
+    profile: bool = False
+
+    def __post_init__(self):
+        bad = [m for m in self.models if m not in MODEL_NAMES]
+        if bad or not self.models:
+            raise ValueError(f"models={self.models}; choose from {', '.join(MODEL_NAMES)}")
+        for name in ("batches", "totals"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name}={values} must be positive ints")
+        if any(not 0 < b <= 1 for b in self.budgets + [self.local_budget]):
+            raise ValueError(f"budgets {self.budgets} / local budget {self.local_budget} must be in (0, 1]")
+        if self.steps < 1 or self.warmup < 1 or self.repeats < 1 or self.prefill_repeats < 1:
+            raise ValueError("steps, warmup, repeats and prefill_repeats must be >= 1")
+        if self.steps * 2 > min(self.totals):
+            raise ValueError(f"steps={self.steps} must be at most half the smallest total {min(self.totals)}")
+
+
+def build_model(name: str, seed: int = 0) -> nn.Module:
+    """``tiny`` (the shipped model; FileNotFoundError if not trained yet), ``kvbound`` or ``smoke`` (random)."""
+    if name == "tiny":
+        from .zoo import load_tiny
+
+        return load_tiny()[0]
+    import transformers
+
+    config = transformers.LlamaConfig(**(KVBOUND if name == "kvbound" else SMOKE), initializer_range=0.05)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+# -- memory ----------------------------------------------------------------------------------------------------
+
+def _status_kib(field_name: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def reset_peak_rss() -> int | None:
+    """Reset VmHWM to the current RSS; returns the current RSS in KiB (None where unsupported)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status_kib("VmRSS")
+
+
+def peak_rss_kib() -> int | None:
+    return _status_kib("VmHWM")
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(busy ticks of the whole machine, ticks of this process) from /proc: their difference over an
+    interval is CPU time other processes took, i.e. how much the measurement was disturbed."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return user + nice + system + irq + softirq + steal, int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+
+
+def foreign_cores(before: tuple[int, int], after: tuple[int, int], seconds: float) -> float:
+    """Average number of cores other processes kept busy between two ``cpu_ticks`` readings."""
+    import os
+
+    ticks = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, ticks / os.sysconf("SC_CLK_TCK") / seconds) if seconds > 0 else 0.0
+
+
+def measure_bandwidth(mib: int = 512, repeats: int = 5) -> dict:
+    """Best-of-``repeats`` copy of a ``mib`` MiB fp32 tensor: GB/s counting read + write (STREAM copy)."""
+    n = mib * 2**20 // 4
+    src = torch.ones(n)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages
+    copy = []
+    read = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        copy.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        src.sum()
+        read.append(time.perf_counter() - start)
+    nbytes = n * 4
+    return {"bytes": nbytes, "copy_gb_s": 2 * nbytes / min(copy) / 1e9, "read_gb_s": nbytes / min(read) / 1e9,
+            "repeats": repeats}
+
+
+def summarize_bandwidth(samples: list[dict]) -> dict:
+    """The median over measurements taken through the run (a VM's bandwidth drifts with its neighbours)."""
+    copy = [s["copy_gb_s"] for s in samples]
+    return {"bytes": samples[0]["bytes"], "repeats": samples[0]["repeats"], "samples": len(samples),
+            "copy_gb_s": statistics.median(copy), "copy_gb_s_min": min(copy), "copy_gb_s_max": max(copy),
+            "read_gb_s": statistics.median(s["read_gb_s"] for s in samples)}
+
+
+def apply_roofline(row: dict, bandwidth_bytes_s: float) -> None:
+    """Set a decode row's roofline time and ratio from its weight and cache bytes."""
+    row["roofline_ms"] = roofline_seconds(row["weight_bytes"], row["kv_read_bytes"], bandwidth_bytes_s) * 1e3
+    row["roofline_ratio"] = row["step_ms_p50"] / row["roofline_ms"]
+
+
+def weight_bytes_per_step(model: nn.Module, batch: int) -> int:
+    """Parameter bytes one decode step reads: every weight once, but only B rows of an untied embedding."""
+    params = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    emb = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    if out is None or out.weight is not emb:
+        total += batch * emb.shape[1] * emb.element_size() - emb.numel() * emb.element_size()
+    return total
+
+
+def roofline_seconds(weight_bytes: int, kv_bytes: int, bandwidth_bytes_s: float) -> float:
+    """Lower bound on one decode step: every byte it must read, streamed once at ``bandwidth``."""
+    return (weight_bytes + kv_bytes) / bandwidth_bytes_s
+
+
+# -- harness ---------------------------------------------------------------------------------------------------
+
+def _percentile(values, q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def _compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _timed_block(contender, tokens, context: int) -> tuple[list, torch.Tensor]:
+    times = []
+    logits = None
+    for i in range(tokens.shape[1]):
+        start = time.perf_counter()
+        logits = contender.step(tokens[:, i:i + 1], context + i)
+        logits.argmax(-1)  # what a greedy generate does next; the same for everyone
+        times.append(time.perf_counter() - start)
+    return times, logits
+
+
+def run_decode(contenders: list, model: nn.Module, batch: int, total: int, settings: BenchSettings,
+               bandwidth: float, log=print) -> list[dict]:
+    """Time every contender's decode step on identical tokens and context; returns one row per contender."""
+    steps = settings.steps
+    context = total - steps
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (batch, steps), generator=torch.Generator().manual_seed(settings.seed))
+    weights = weight_bytes_per_step(model, batch)
+    rows = {}
+    for c in contenders:
+        start = time.perf_counter()
+        c.prepare(batch, total, context, settings.seed)
+        prepared = time.perf_counter()
+        for i in range(settings.warmup):
+            c.step(tokens[:, i % steps:i % steps + 1], context + i)
+        c.restore()
+        rows[c.name] = dict(contender=c.name, label=c.label, batch=batch, total=total, context=context,
+                            steps=steps, capacity=c.capacity, cache_bytes=c.cache_bytes(),
+                            fill_s=prepared - start, warmup_s=time.perf_counter() - prepared,
+                            blocks=[], transient_peak_kib=[], context_seen=[], finite=True)
+    graphs_before = _compiled_graphs()
+    ticks0, wall0 = cpu_ticks(), time.perf_counter()
+    for r in range(settings.repeats):
+        order = contenders if r % 2 == 0 else contenders[::-1]
+        for c in order:
+            row = rows[c.name]
+            gc.collect()
+            row["context_seen"].append(c.cached_tokens())
+            rss0 = reset_peak_rss()
+            times, logits = _timed_block(c, tokens, context)
+            peak = peak_rss_kib()
+            if rss0 is not None and peak is not None:
+                row["transient_peak_kib"].append(peak - rss0)
+            row["finite"] = row["finite"] and bool(torch.isfinite(logits).all())
+            row["blocks"].append(times)
+            c.restore()
+    recompiled = _compiled_graphs() - graphs_before  # must stay 0: a timed block that compiles is not a step
+    disturbed = foreign_cores(ticks0, cpu_ticks(), time.perf_counter() - wall0)
+    out = []
+    for c in contenders:
+        row = rows[c.name]
+        row["compiles_during_timing"] = recompiled
+        row["foreign_cores"] = disturbed
+        if any(seen != context for seen in row["context_seen"]):
+            raise RuntimeError(f"{c.name}: cache held {row['context_seen']} tokens before a block, not {context}")
+        flat = [t for block in row["blocks"] for t in block]
+        p50 = _percentile(flat, 0.5)
+        kv_read = statistics.mean(c.kv_read_bytes(context + i) for i in range(steps))
+        row.update(
+            tokens_per_s=statistics.median(batch * len(b) / sum(b) for b in row["blocks"]),
+            step_ms_p50=p50 * 1e3, step_ms_p95=_percentile(flat, 0.95) * 1e3,
+            weight_bytes=weights, kv_read_bytes=int(kv_read),
+            transient_peak_mib=(max(row["transient_peak_kib"]) / 1024 if row["transient_peak_kib"] else None),
+            tokens_sha=hash(tuple(tokens.flatten().tolist())) & 0xFFFFFFFF,
+            block_ms=[sum(b) * 1e3 for b in row["blocks"]])
+        del row["transient_peak_kib"]
+        apply_roofline(row, bandwidth)
+        out.append(row)
+        log(f"    {c.name:18s} {row['tokens_per_s']:9.1f} tok/s  p50 {row['step_ms_p50']:8.2f} ms  "
+            f"p95 {row['step_ms_p95']:8.2f} ms  cache {row['cache_bytes'] / 2**20:8.1f} MiB  "
+            f"roofline x{row['roofline_ratio']:.2f}  (fill {row['fill_s']:.1f} s, warm-up {row['warmup_s']:.1f} s, "
+            f"other processes {disturbed:.2f} cores)")
+    return out
+
+
+def run_prefill(contenders: list, model: nn.Module, total: int, settings: BenchSettings, log=print) -> list[dict]:
+    """Batch-1 prefill of ``total - steps`` real tokens per contender (after an untimed 32-token warm-up)."""
+    context = total - settings.steps
+    gen = torch.Generator().manual_seed(settings.seed + 1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=gen)
+    rows = []
+    for c in contenders:
+        c.prefill(prompt[:, :min(32, context)], total)
+        times = [c.prefill(prompt, total) for _ in range(settings.prefill_repeats)]
+        rows.append(dict(contender=c.name, label=c.label, total=total, prompt_tokens=context,
+                         prefill_s=statistics.median(times), prefill_tokens_per_s=context / statistics.median(times)))
+        c.release()
+        log(f"    prefill {c.name:18s} {rows[-1]['prefill_s']:7.3f} s")
+    return rows
+
+
+def profile_step(contender, tokens, context: int, row_limit: int = 15) -> str:
+    """torch.profiler table (self CPU time) of one timed block of ``contender``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _timed_block(contender, tokens, context)
+    contender.restore()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit)
+
+
+def run_bench(settings: BenchSettings, log=print) -> dict:
+    """The whole benchmark; returns the result dict (see bench_report for how it is written)."""
+    from .report import machine_description
+
+    begin = time.perf_counter()
+    samples = [measure_bandwidth(settings.bandwidth_mib)]
+    bw = samples[0]
+    log(f"memory bandwidth: copy {bw['copy_gb_s']:.1f} GB/s, read {bw['read_gb_s']:.1f} GB/s "
+        "(measured again before every decode configuration and at the end; the roofline uses the median)")
+    result = dict(settings=asdict(settings), machine=machine_description(), torch_threads=torch.get_num_threads(),
+                  bandwidth=bw, decode=[], prefill=[], skipped=[], profiles={})
+    only = set(settings.contenders) if settings.contenders else None
+    # Every contender compiles one graph per shape, all on the same code objects (H2OModel._run_graph,
+    # LlamaForCausalLM.forward): lift dynamo's per-code recompile limit for this run only.
+    with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
+        for name in settings.models:
+            try:
+                model = build_model(name, settings.seed)
+            except FileNotFoundError as err:
+                log(f"skipping model {name!r}: {err}")
+                result["skipped"].append(f"model {name}: {err}")
+                continue
+            max_pos = model.config.max_position_embeddings
+            totals = [t for t in settings.totals if t <= max_pos]
+            for t in sorted(set(settings.totals) - set(totals)):
+                result["skipped"].append(f"model {name}: total {t} > max_position_embeddings {max_pos}")
+                log(f"skipping {name} at total {t}: beyond its {max_pos} positions")
+            contenders = build_contenders(model, settings.budgets, settings.local_budget, settings.compile, only)
+            for total in totals:
+                if settings.prefill:
+                    log(f"[{time.perf_counter() - begin:6.0f} s] {name}: prefill, batch 1, total {total}")
+                    for row in run_prefill(contenders, model, total, settings, log):
+                        result["prefill"].append(dict(model=name, **row))
+                for batch in settings.batches:
+                    log(f"[{time.perf_counter() - begin:6.0f} s] {name}: decode, batch {batch}, total {total}")
+                    samples.append(measure_bandwidth(settings.bandwidth_mib))
+                    rows = run_decode(contenders, model, batch, total, settings,
+                                      samples[-1]["copy_gb_s"] * 1e9, log)
+                    result["decode"].extend(dict(model=name, **row) for row in rows)
+                    if settings.profile and batch == max(settings.batches) and total == max(settings.totals):
+                        _profile(result, name, contenders, model, batch, total, settings)
+                    for c in contenders:
+                        c.release()
+                    gc.collect()
+            del contenders, model
+            gc.collect()
+    samples.append(measure_bandwidth(settings.bandwidth_mib))
+    result["bandwidth"] = summarize_bandwidth(samples)
+    result["bandwidth_samples_gb_s"] = [round(s["copy_gb_s"], 2) for s in samples]
+    for row in result["decode"]:
+        apply_roofline(row, result["bandwidth"]["copy_gb_s"] * 1e9)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["elapsed_s"] = time.perf_counter() - begin
+    result["headline"] = headline(result["decode"], settings)
+    return result
+
+
+def _profile(result, name, contenders, model, batch, total, settings) -> None:
+    context = total - settings.steps
+    tokens = torch.randint(0, model.config.vocab_size, (batch, settings.steps),
+                           generator=torch.Generator().manual_seed(settings.seed))
+    for c in contenders:
+        if c.name in ("hf-static-compile", f"local@{settings.local_budget:g}", "h2o@0.2"):
+            result["profiles"][f"{name} B={batch} N={total} {c.name}"] = profile_step(c, tokens, context)
+
+
+def headline(rows: list[dict], settings: BenchSettings) -> dict:
+    """The ratios the issue asks for, at the KV-bound model, largest batch and total, budget 0.2."""
+    model = "kvbound" if any(r["model"] == "kvbound" for r in rows) else (rows[0]["model"] if rows else None)
+    batch, total = max(settings.batches), max(settings.totals)
+    at = {r["contender"]: r for r in rows if (r["model"], r["batch"], r["total"]) == (model, batch, total)}
+    h2o, local = at.get("h2o@0.2"), at.get(f"local@{settings.local_budget:g}")
+    eager, static = at.get("hf-dynamic"), at.get("hf-static-compile")
+    if h2o is None:
+        return {}
+    out = dict(model=model, batch=batch, total=total, h2o_tokens_per_s=h2o["tokens_per_s"],
+               h2o_roofline_ratio=h2o["roofline_ratio"])
+    if eager:
+        out["speedup_vs_eager_full"] = h2o["tokens_per_s"] / eager["tokens_per_s"]
+        out["kv_bytes_ratio_vs_full"] = h2o["cache_bytes"] / eager["cache_bytes"]
+    if static:
+        out["speedup_vs_static_compile"] = h2o["tokens_per_s"] / static["tokens_per_s"]
+    if local:
+        out["step_ratio_h2o_vs_local"] = h2o["step_ms_p50"] / local["step_ms_p50"]
+    return out

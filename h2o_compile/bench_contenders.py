@@ -1,0 +1,220 @@
+"""The decode-benchmark contenders: transformers' own caches and H2OModel, behind one small protocol.
+
+    prepare(batch, total, context, seed)  allocate a cache sized for ``total`` tokens and fill it synthetically
+                                          with ``context`` tokens (random keys/values, see ``synthetic_kv``)
+    restore()                             put the cache back to those ``context`` tokens after a timed block
+    cached_tokens()                       how many tokens the cache says it has seen (a fairness check)
+    step(tokens [B, 1], position) -> [B, V]   one decode step, logits of the new token
+    prefill(prompt [1, P], total) -> float    seconds of a real forward over a prompt into a fresh cache
+    cache_bytes()                         bytes the cache holds, from tensor sizes
+    kv_read_bytes(context)                bytes of cache the attention reads in one step at ``context`` tokens
+    release()                             drop the cache
+
+Why synthetic fill: a real 4k-token prefill at batch 8 per contender costs minutes on a small CPU, and the
+decode step's cost does not depend on the cached values: transformers' step reads every cached key/value, and
+the H2O step is static-shape and branch-free (attend over C slots, argmin, scatter). So every contender gets
+the same random keys/values (one generator seed per layer), HF caches through their ``update`` API and H2O by
+writing its state buffers in place, with positions and scores set as a real run would leave them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor, nn
+
+from .passes import state_names
+
+
+def kv_geometry(model: nn.Module) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a transformers decoder from its config."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", None) or heads, head_dim
+
+
+def synthetic_kv(layer: int, batch: int, kv_heads: int, context: int, head_dim: int, value_dim: int,
+                 dtype: torch.dtype, seed: int) -> tuple[Tensor, Tensor]:
+    """Random keys [B, Hkv, context, D] and values [B, Hkv, context, Dv]; the same for every contender."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + layer)
+    keys = torch.randn(batch, kv_heads, context, head_dim, generator=gen).to(dtype)
+    values = torch.randn(batch, kv_heads, context, value_dim, generator=gen).to(dtype)
+    return keys, values
+
+
+def synthetic_positions(policy: str, capacity: int, recent: int, context: int, batch: int, kv_heads: int,
+                        seed: int) -> Tensor:
+    """Positions [B, Hkv, n] (n = min(C, context), sorted) a cache of C slots holds after ``context`` tokens.
+
+    ``h2o``: the recent window plus C - R heavy hitters drawn at random from the older tokens (which ones
+    depends on attention, not on the cost of the step); ``full``: every token; other policies: the newest C.
+    """
+    n = min(capacity, context)
+    if n == context:
+        return torch.arange(context).expand(batch, kv_heads, context).clone()
+    if policy == "h2o":
+        gen = torch.Generator().manual_seed(seed + 7)
+        older = context - recent
+        heavy = torch.rand(batch, kv_heads, older, generator=gen).argsort(-1)[..., :n - recent].sort(-1).values
+        newest = torch.arange(older, context).expand(batch, kv_heads, recent)
+        return torch.cat([heavy, newest], dim=-1)
+    return torch.arange(context - n, context).expand(batch, kv_heads, n).clone()
+
+
+class HFContender:
+    """transformers' decoder with DynamicCache (eager forward) or StaticCache (forward under torch.compile,
+    the gpt-fast recipe: fullgraph, static shapes; the prefill stays eager as in transformers' generate)."""
+
+    def __init__(self, model: nn.Module, static: bool, compile: bool = True):
+        self.model, self.static, self.compile = model, static, compile and static
+        self.name = "hf-static-compile" if static else "hf-dynamic"
+        self.label = (("transformers StaticCache + torch.compile" if self.compile else
+                       "transformers StaticCache (not compiled)") if static else "transformers eager DynamicCache")
+        self.policy, self.capacity = "full", None
+        self.cache = None
+        self._fn = None
+
+    def _new_cache(self, total: int):
+        from transformers import DynamicCache, StaticCache
+
+        if self.static:
+            return StaticCache(config=self.model.config, max_cache_len=total)
+        return DynamicCache(config=self.model.config)
+
+    def prepare(self, batch: int, total: int, context: int, seed: int) -> None:
+        layers, kv_heads, head_dim = kv_geometry(self.model)
+        dtype = next(self.model.parameters()).dtype
+        self.cache = self._new_cache(total)
+        for i in range(layers):
+            keys, values = synthetic_kv(i, batch, kv_heads, context, head_dim, head_dim, dtype, seed)
+            self.cache.update(keys, values, i)
+        self.batch, self.total, self.context, self.capacity = batch, total, context, total
+        if self._fn is None:
+            self._fn = (torch.compile(self.model.forward, fullgraph=True, dynamic=False) if self.compile
+                        else self.model.forward)
+
+    def cached_tokens(self) -> int:
+        return int(self.cache.get_seq_length())
+
+    def restore(self) -> None:
+        extra = self.cached_tokens() - self.context
+        if extra > 0:
+            self.cache.crop(-extra)  # static: rewinds the write index; dynamic: drops the appended tokens
+
+    @torch.no_grad()
+    def step(self, tokens: Tensor, position: int) -> Tensor:
+        pos = torch.full_like(tokens, position)                                  # [B, 1]
+        return self._fn(input_ids=tokens, position_ids=pos, cache=self.cache, use_cache=True).logits[:, -1]
+
+    @torch.no_grad()
+    def prefill(self, prompt: Tensor, total: int) -> float:
+        cache = self._new_cache(total)
+        start = time.perf_counter()
+        self.model(input_ids=prompt, cache=cache, use_cache=True)
+        return time.perf_counter() - start
+
+    def cache_bytes(self) -> int:
+        """Keys and values of ``total`` tokens: the static buffer, or what the dynamic cache holds at the end."""
+        layers, kv_heads, head_dim = kv_geometry(self.model)
+        tokens = self.total
+        itemsize = next(self.model.parameters()).dtype.itemsize
+        return layers * self.batch * kv_heads * tokens * 2 * head_dim * itemsize
+
+    def kv_read_bytes(self, context: int) -> int:
+        """Keys and values SDPA reads: the cached tokens plus the new one (dynamic), the whole buffer (static:
+        attention runs over max_cache_len with a mask)."""
+        layers, kv_heads, head_dim = kv_geometry(self.model)
+        tokens = self.total if self.static else context + 1
+        itemsize = next(self.model.parameters()).dtype.itemsize
+        return layers * self.batch * kv_heads * tokens * 2 * head_dim * itemsize
+
+    def release(self) -> None:
+        self.cache = None
+
+
+class H2OContender:
+    """An H2OModel (``optimize(model, budget, policy=...)``) whose one-token decode step is compiled."""
+
+    def __init__(self, model: nn.Module, policy: str, budget: float, compile: bool = True):
+        from .runtime import optimize
+
+        self.policy, self.budget = policy, budget
+        self.name = "h2o-full" if policy == "full" else f"{policy}@{budget:g}"
+        self.label = f"H2OModel {self.name}" + (" (compiled)" if compile else "")
+        self.h2o = optimize(model, budget=budget, policy=policy, compile=compile)
+        self.capacity = None
+        self._snapshot: list[tuple[Tensor, Tensor]] = []
+
+    def _layer_state(self, i: int) -> list[Tensor]:
+        return [getattr(self.h2o, name) for name in state_names(i)]
+
+    def prepare(self, batch: int, total: int, context: int, seed: int) -> None:
+        h = self.h2o
+        h.reset(batch, total)
+        cap = h.capacity
+        recent = h.h2o_config.recent_window(cap)
+        self._snapshot = []
+        for i, spec in enumerate(h.layers):
+            key, value, score, pos = self._layer_state(i)
+            keys, values = synthetic_kv(i, batch, spec.kv_heads, context, spec.head_dim, spec.value_dim,
+                                        spec.dtype, seed)
+            kept = synthetic_positions(self.policy, cap, recent, context, batch, spec.kv_heads, seed + i)
+            n = kept.shape[-1]
+            key[:, :, :n] = keys.gather(2, kept[..., None].expand(-1, -1, -1, spec.head_dim))
+            value[:, :, :n] = values.gather(2, kept[..., None].expand(-1, -1, -1, spec.value_dim))
+            pos[:, :, :n] = kept
+            gen = torch.Generator().manual_seed(seed + 1000 + i)
+            score[:, :, :n] = torch.rand(batch, spec.kv_heads, n, generator=gen) * 4.0  # accumulated mass
+            self._snapshot.append((score.clone(), pos.clone()))
+        h.seen.fill_(context)
+        h._fed = context  # the counters step() keeps; the state now holds `context` tokens
+        self.batch, self.total, self.context, self.capacity = batch, total, context, cap
+
+    def cached_tokens(self) -> int:
+        return int(self.h2o.seen[0])
+
+    def restore(self) -> None:
+        """Scores and positions back to the filled state; keys/values of the slots written during the block
+        stay (the step's cost does not depend on them)."""
+        for i, (score0, pos0) in enumerate(self._snapshot):
+            _, _, score, pos = self._layer_state(i)
+            score.copy_(score0)
+            pos.copy_(pos0)
+        self.h2o.seen.fill_(self.context)
+        self.h2o._fed = self.context
+
+    def step(self, tokens: Tensor, position: int) -> Tensor:
+        # H2OModel derives the position from its own counter (seen); the harness checks they agree.
+        return self.h2o.step(tokens)[:, -1]
+
+    def prefill(self, prompt: Tensor, total: int) -> float:
+        self.h2o.reset(prompt.shape[0], total)
+        start = time.perf_counter()
+        self.h2o.step(prompt)
+        return time.perf_counter() - start
+
+    def cache_bytes(self) -> int:
+        return self.h2o.kv_cache_bytes()
+
+    def kv_read_bytes(self, context: int) -> int:
+        """The whole state (keys, values, scores, positions of C slots): the static-shape step reads all of it."""
+        return self.h2o.kv_cache_bytes()
+
+    def release(self) -> None:
+        self._snapshot = []
+        for i in range(len(self.h2o.layers)):
+            for name in state_names(i):
+                setattr(self.h2o, name, torch.empty(0))
+
+
+def build_contenders(model: nn.Module, budgets, local_budget: float, compile: bool = True,
+                     only: set | None = None) -> list:
+    """Every contender of the benchmark, in a fixed base order (the harness alternates it between repeats)."""
+    specs = [("hf-dynamic", lambda: HFContender(model, static=False)),
+             ("hf-static-compile", lambda: HFContender(model, static=True, compile=compile)),
+             ("h2o-full", lambda: H2OContender(model, "full", 1.0, compile)),
+             (f"local@{local_budget:g}", lambda: H2OContender(model, "local", local_budget, compile))]
+    specs += [(f"h2o@{b:g}", (lambda b=b: H2OContender(model, "h2o", b, compile))) for b in budgets]
+    return [make() for name, make in specs if only is None or name in only]
