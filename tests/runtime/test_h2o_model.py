@@ -128,15 +128,15 @@ def test_sliding_window_longer_than_sequence_is_served_and_beyond_is_an_error():
         opt.generate(torch.randint(1, VOCAB, (1, 6)), max_new_tokens=11)
 
 
-def test_many_compiled_models_in_one_process_do_not_share_a_recompile_limit(llama, monkeypatch):
+def test_many_compiled_models_in_one_process_do_not_share_a_recompile_limit(llama):
     """An eval sweep compiles one H2OModel per (policy, budget); dynamo's per-code-object recompile limit
     must not be shared between them (here lowered to 1 so a second model would hit it)."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     ids = torch.randint(1, VOCAB, (1, 8))
-    for budget in (4, 5):
-        opt = h2o_compile.optimize(llama, budget=budget, compile=True)
-        opt.reset(1, 8)
-        opt.step(ids[:, :6])
-        opt.step(ids[:, 6:7])
-        opt.step(ids[:, 7:8])
-        assert opt.kept_positions(0).ge(0).sum(-1).eq(budget).all()
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for budget in (4, 5):
+            opt = h2o_compile.optimize(llama, budget=budget, compile=True)
+            opt.reset(1, 8)
+            opt.step(ids[:, :6])
+            opt.step(ids[:, 6:7])
+            opt.step(ids[:, 7:8])
+            assert opt.kept_positions(0).ge(0).sum(-1).eq(budget).all()
