@@ -30,6 +30,12 @@ import torch
 from torch import nn
 
 from .bench_contenders import build_contenders
+from .bench_machine import (apply_roofline, cpu_ticks, foreign_cores, measure_bandwidth, peak_rss_kib,
+                            reset_peak_rss, roofline_seconds, summarize_bandwidth, weight_bytes_per_step)
+from .bench_machine import wait_for_quiet as _wait
+
+__all__ = ["BenchSettings", "build_model", "headline", "roofline_seconds", "run_bench", "run_decode",
+           "run_prefill", "weight_bytes_per_step"]
 
 KVBOUND = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
                intermediate_size=1024, vocab_size=8192, max_position_embeddings=4096)
@@ -50,11 +56,19 @@ class BenchSettings:
     repeats: int = 5
     prefill: bool = True
     prefill_repeats: int = 1
+    # H2O's prefill cost hardly depends on the budget (it attends over C + T keys, T dominating): time a subset.
+    prefill_contenders: list = field(default_factory=lambda: ["hf-dynamic", "hf-static-compile", "h2o-full",
+                                                              "h2o@0.2"])
     compile: bool = True
     contenders: list | None = None
     bandwidth_mib: int = 512
     seed: int = 0
     profile: bool = False
+    # Shared machine: before each measurement wait (up to quiet_wait_s) until other processes use at most
+    # quiet_cores cores, and redo a decode configuration up to `retries` times if they disturbed it anyway.
+    quiet_cores: float = 0.1
+    quiet_wait_s: float = 900.0
+    retries: int = 2
 
     def __post_init__(self):
         bad = [m for m in self.models if m not in MODEL_NAMES]
@@ -85,105 +99,11 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
     return transformers.LlamaForCausalLM(config).eval()
 
 
-# -- memory ----------------------------------------------------------------------------------------------------
-
-def _status_kib(field_name: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_rss() -> int | None:
-    """Reset VmHWM to the current RSS; returns the current RSS in KiB (None where unsupported)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return None
-    return _status_kib("VmRSS")
-
-
-def peak_rss_kib() -> int | None:
-    return _status_kib("VmHWM")
-
-
-def cpu_ticks() -> tuple[int, int]:
-    """(busy ticks of the whole machine, ticks of this process) from /proc: their difference over an
-    interval is CPU time other processes took, i.e. how much the measurement was disturbed."""
-    try:
-        with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return user + nice + system + irq + softirq + steal, int(fields[11]) + int(fields[12])
-    except (OSError, ValueError, IndexError):
-        return 0, 0
-
-
-def foreign_cores(before: tuple[int, int], after: tuple[int, int], seconds: float) -> float:
-    """Average number of cores other processes kept busy between two ``cpu_ticks`` readings."""
-    import os
-
-    ticks = (after[0] - before[0]) - (after[1] - before[1])
-    return max(0.0, ticks / os.sysconf("SC_CLK_TCK") / seconds) if seconds > 0 else 0.0
-
-
-def measure_bandwidth(mib: int = 512, repeats: int = 5) -> dict:
-    """Best-of-``repeats`` copy of a ``mib`` MiB fp32 tensor: GB/s counting read + write (STREAM copy)."""
-    n = mib * 2**20 // 4
-    src = torch.ones(n)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touch the pages
-    copy = []
-    read = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        copy.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        src.sum()
-        read.append(time.perf_counter() - start)
-    nbytes = n * 4
-    return {"bytes": nbytes, "copy_gb_s": 2 * nbytes / min(copy) / 1e9, "read_gb_s": nbytes / min(read) / 1e9,
-            "repeats": repeats}
-
-
-def summarize_bandwidth(samples: list[dict]) -> dict:
-    """The median over measurements taken through the run (a VM's bandwidth drifts with its neighbours)."""
-    copy = [s["copy_gb_s"] for s in samples]
-    return {"bytes": samples[0]["bytes"], "repeats": samples[0]["repeats"], "samples": len(samples),
-            "copy_gb_s": statistics.median(copy), "copy_gb_s_min": min(copy), "copy_gb_s_max": max(copy),
-            "read_gb_s": statistics.median(s["read_gb_s"] for s in samples)}
-
-
-def apply_roofline(row: dict, bandwidth_bytes_s: float) -> None:
-    """Set a decode row's roofline time and ratio from its weight and cache bytes."""
-    row["roofline_ms"] = roofline_seconds(row["weight_bytes"], row["kv_read_bytes"], bandwidth_bytes_s) * 1e3
-    row["roofline_ratio"] = row["step_ms_p50"] / row["roofline_ms"]
-
-
-def weight_bytes_per_step(model: nn.Module, batch: int) -> int:
-    """Parameter bytes one decode step reads: every weight once, but only B rows of an untied embedding."""
-    params = {id(p): p for p in model.parameters()}
-    total = sum(p.numel() * p.element_size() for p in params.values())
-    emb = model.get_input_embeddings().weight
-    out = model.get_output_embeddings()
-    if out is None or out.weight is not emb:
-        total += batch * emb.shape[1] * emb.element_size() - emb.numel() * emb.element_size()
-    return total
-
-
-def roofline_seconds(weight_bytes: int, kv_bytes: int, bandwidth_bytes_s: float) -> float:
-    """Lower bound on one decode step: every byte it must read, streamed once at ``bandwidth``."""
-    return (weight_bytes + kv_bytes) / bandwidth_bytes_s
-
-
 # -- harness ---------------------------------------------------------------------------------------------------
+
+def wait_for_quiet(settings: BenchSettings, log=print) -> float:
+    return _wait(max(0.0, settings.quiet_wait_s), settings.quiet_cores, log)
+
 
 def _percentile(values, q: float) -> float:
     ordered = sorted(values)
@@ -228,7 +148,7 @@ def run_decode(contenders: list, model: nn.Module, batch: int, total: int, setti
         rows[c.name] = dict(contender=c.name, label=c.label, batch=batch, total=total, context=context,
                             steps=steps, capacity=c.capacity, cache_bytes=c.cache_bytes(),
                             fill_s=prepared - start, warmup_s=time.perf_counter() - prepared,
-                            blocks=[], transient_peak_kib=[], context_seen=[], finite=True)
+                            blocks=[], transient_peak_kib=[], context_seen=[], context_after=[], finite=True)
     graphs_before = _compiled_graphs()
     ticks0, wall0 = cpu_ticks(), time.perf_counter()
     for r in range(settings.repeats):
@@ -243,6 +163,7 @@ def run_decode(contenders: list, model: nn.Module, batch: int, total: int, setti
             if rss0 is not None and peak is not None:
                 row["transient_peak_kib"].append(peak - rss0)
             row["finite"] = row["finite"] and bool(torch.isfinite(logits).all())
+            row["context_after"].append(c.cached_tokens())
             row["blocks"].append(times)
             c.restore()
     recompiled = _compiled_graphs() - graphs_before  # must stay 0: a timed block that compiles is not a step
@@ -252,8 +173,10 @@ def run_decode(contenders: list, model: nn.Module, batch: int, total: int, setti
         row = rows[c.name]
         row["compiles_during_timing"] = recompiled
         row["foreign_cores"] = disturbed
-        if any(seen != context for seen in row["context_seen"]):
-            raise RuntimeError(f"{c.name}: cache held {row['context_seen']} tokens before a block, not {context}")
+        if any(seen != context for seen in row["context_seen"]) or any(
+                seen != total for seen in row["context_after"]):
+            raise RuntimeError(f"{c.name}: cache held {row['context_seen']} tokens before a block (not {context}) "
+                               f"and {row['context_after']} after (not {total})")
         flat = [t for block in row["blocks"] for t in block]
         p50 = _percentile(flat, 0.5)
         kv_read = statistics.mean(c.kv_read_bytes(context + i) for i in range(steps))
@@ -281,6 +204,8 @@ def run_prefill(contenders: list, model: nn.Module, total: int, settings: BenchS
     prompt = torch.randint(0, model.config.vocab_size, (1, context), generator=gen)
     rows = []
     for c in contenders:
+        if not c.prefill_supported or (settings.prefill_contenders and c.name not in settings.prefill_contenders):
+            continue
         c.prefill(prompt[:, :min(32, context)], total)
         times = [c.prefill(prompt, total) for _ in range(settings.prefill_repeats)]
         rows.append(dict(contender=c.name, label=c.label, total=total, prompt_tokens=context,
@@ -305,6 +230,7 @@ def run_bench(settings: BenchSettings, log=print) -> dict:
     from .report import machine_description
 
     begin = time.perf_counter()
+    waited = wait_for_quiet(settings, log)
     samples = [measure_bandwidth(settings.bandwidth_mib)]
     bw = samples[0]
     log(f"memory bandwidth: copy {bw['copy_gb_s']:.1f} GB/s, read {bw['read_gb_s']:.1f} GB/s "
@@ -331,15 +257,25 @@ def run_bench(settings: BenchSettings, log=print) -> dict:
             for total in totals:
                 if settings.prefill:
                     log(f"[{time.perf_counter() - begin:6.0f} s] {name}: prefill, batch 1, total {total}")
-                    for row in run_prefill(contenders, model, total, settings, log):
-                        result["prefill"].append(dict(model=name, **row))
+                    waited += wait_for_quiet(settings, log)
+                    ticks, start = cpu_ticks(), time.perf_counter()
+                    rows = run_prefill(contenders, model, total, settings, log)
+                    busy = foreign_cores(ticks, cpu_ticks(), time.perf_counter() - start)
+                    result["prefill"].extend(dict(model=name, foreign_cores=busy, **row) for row in rows)
                 for batch in settings.batches:
-                    log(f"[{time.perf_counter() - begin:6.0f} s] {name}: decode, batch {batch}, total {total}")
-                    samples.append(measure_bandwidth(settings.bandwidth_mib))
-                    rows = run_decode(contenders, model, batch, total, settings,
-                                      samples[-1]["copy_gb_s"] * 1e9, log)
-                    result["decode"].extend(dict(model=name, **row) for row in rows)
+                    for attempt in range(settings.retries + 1):
+                        log(f"[{time.perf_counter() - begin:6.0f} s] {name}: decode, batch {batch}, total {total}"
+                            + (f" (attempt {attempt + 1})" if attempt else ""))
+                        waited += wait_for_quiet(settings, log)
+                        samples.append(measure_bandwidth(settings.bandwidth_mib))
+                        rows = run_decode(contenders, model, batch, total, settings,
+                                          samples[-1]["copy_gb_s"] * 1e9, log)
+                        if rows[0]["foreign_cores"] <= settings.quiet_cores:
+                            break
+                        log(f"    disturbed by other processes ({rows[0]['foreign_cores']:.2f} cores)")
+                    result["decode"].extend(dict(model=name, attempts=attempt + 1, **row) for row in rows)
                     if settings.profile and batch == max(settings.batches) and total == max(settings.totals):
+                        waited += wait_for_quiet(settings, log)
                         _profile(result, name, contenders, model, batch, total, settings)
                     for c in contenders:
                         c.release()
@@ -353,6 +289,7 @@ def run_bench(settings: BenchSettings, log=print) -> dict:
         apply_roofline(row, result["bandwidth"]["copy_gb_s"] * 1e9)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result["elapsed_s"] = time.perf_counter() - begin
+    result["waited_for_quiet_s"] = waited
     result["headline"] = headline(result["decode"], settings)
     return result
 
@@ -362,7 +299,8 @@ def _profile(result, name, contenders, model, batch, total, settings) -> None:
     tokens = torch.randint(0, model.config.vocab_size, (batch, settings.steps),
                            generator=torch.Generator().manual_seed(settings.seed))
     for c in contenders:
-        if c.name in ("hf-static-compile", f"local@{settings.local_budget:g}", "h2o@0.2"):
+        if c.name in ("hf-static-compile", f"hf-static-compile@{settings.local_budget:g}",
+                      f"local@{settings.local_budget:g}", "h2o@0.2"):
             result["profiles"][f"{name} B={batch} N={total} {c.name}"] = profile_step(c, tokens, context)
 
 
@@ -384,4 +322,7 @@ def headline(rows: list[dict], settings: BenchSettings) -> dict:
         out["speedup_vs_static_compile"] = h2o["tokens_per_s"] / static["tokens_per_s"]
     if local:
         out["step_ratio_h2o_vs_local"] = h2o["step_ms_p50"] / local["step_ms_p50"]
+    floor = at.get(f"hf-static-compile@{settings.local_budget:g}")
+    if floor and settings.local_budget == 0.2:
+        out["step_ratio_h2o_vs_static_same_slots"] = h2o["step_ms_p50"] / floor["step_ms_p50"]
     return out

@@ -19,6 +19,7 @@ writing its state buffers in place, with positions and scores set as a real run 
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -67,14 +68,23 @@ class HFContender:
     """transformers' decoder with DynamicCache (eager forward) or StaticCache (forward under torch.compile,
     the gpt-fast recipe: fullgraph, static shapes; the prefill stays eager as in transformers' generate)."""
 
-    def __init__(self, model: nn.Module, static: bool, compile: bool = True):
-        self.model, self.static, self.compile = model, static, compile and static
+    def __init__(self, model: nn.Module, static: bool, compile: bool = True, window: float | None = None):
+        """``window``: a StaticCache of only ceil(window x total) slots holding the newest tokens, without any
+        eviction logic: what attention over an H2O-sized cache costs in transformers, a floor for H2O's step
+        (not a method: it simply forgets everything older than the window, and is timed like the others)."""
+        self.model, self.static, self.compile = model, static or window is not None, compile and static
+        self.window = window
         self.name = "hf-static-compile" if static else "hf-dynamic"
         self.label = (("transformers StaticCache + torch.compile" if self.compile else
                        "transformers StaticCache (not compiled)") if static else "transformers eager DynamicCache")
+        if window is not None:
+            self.name += f"@{window:g}"
+            self.label += f" over only {window:g} of the sequence (cost floor, no eviction)"
         self.policy, self.capacity = "full", None
+        self.prefill_supported = window is None
         self.cache = None
         self._fn = None
+        self._offset = 0  # harness positions - cache positions (nonzero for a window)
 
     def _new_cache(self, total: int):
         from transformers import DynamicCache, StaticCache
@@ -86,6 +96,12 @@ class HFContender:
     def prepare(self, batch: int, total: int, context: int, seed: int) -> None:
         layers, kv_heads, head_dim = kv_geometry(self.model)
         dtype = next(self.model.parameters()).dtype
+        if self.window is not None:
+            slots = math.ceil(self.window * total)
+            if slots <= total - context:
+                raise ValueError(f"window {self.window} of {total} tokens leaves no room for {total - context} steps")
+            self._offset = context - (slots - (total - context))
+            total, context = slots, slots - (total - context)
         self.cache = self._new_cache(total)
         for i in range(layers):
             keys, values = synthetic_kv(i, batch, kv_heads, context, head_dim, head_dim, dtype, seed)
@@ -96,16 +112,16 @@ class HFContender:
                         else self.model.forward)
 
     def cached_tokens(self) -> int:
-        return int(self.cache.get_seq_length())
+        return int(self.cache.get_seq_length()) + self._offset
 
     def restore(self) -> None:
-        extra = self.cached_tokens() - self.context
+        extra = int(self.cache.get_seq_length()) - self.context
         if extra > 0:
             self.cache.crop(-extra)  # static: rewinds the write index; dynamic: drops the appended tokens
 
     @torch.no_grad()
     def step(self, tokens: Tensor, position: int) -> Tensor:
-        pos = torch.full_like(tokens, position)                                  # [B, 1]
+        pos = torch.full_like(tokens, position - self._offset)                  # [B, 1]
         return self._fn(input_ids=tokens, position_ids=pos, cache=self.cache, use_cache=True).logits[:, -1]
 
     @torch.no_grad()
@@ -144,6 +160,7 @@ class H2OContender:
         self.name = "h2o-full" if policy == "full" else f"{policy}@{budget:g}"
         self.label = f"H2OModel {self.name}" + (" (compiled)" if compile else "")
         self.h2o = optimize(model, budget=budget, policy=policy, compile=compile)
+        self.prefill_supported = True
         self.capacity = None
         self._snapshot: list[tuple[Tensor, Tensor]] = []
 
@@ -214,6 +231,8 @@ def build_contenders(model: nn.Module, budgets, local_budget: float, compile: bo
     """Every contender of the benchmark, in a fixed base order (the harness alternates it between repeats)."""
     specs = [("hf-dynamic", lambda: HFContender(model, static=False)),
              ("hf-static-compile", lambda: HFContender(model, static=True, compile=compile)),
+             (f"hf-static-compile@{local_budget:g}",
+              lambda: HFContender(model, static=True, compile=compile, window=local_budget)),
              ("h2o-full", lambda: H2OContender(model, "full", 1.0, compile)),
              (f"local@{local_budget:g}", lambda: H2OContender(model, "local", local_budget, compile))]
     specs += [(f"h2o@{b:g}", (lambda b=b: H2OContender(model, "h2o", b, compile))) for b in budgets]

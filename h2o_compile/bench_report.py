@@ -28,8 +28,9 @@ How it was measured (all contenders in one process, the same token ids and posit
   the cache is rewound to `context` tokens (transformers: `crop`; H2O: scores, positions and counters restored).
   p50/p95 pool all timed steps; tokens/s is the median over blocks of batch x steps / block time.
 - **Prefill**: a real forward over a random prompt of `context` tokens at batch 1 into a fresh cache,
-  eager for every contender (transformers' generate compiles only the decode step too). H2O prefill is the
-  whole prompt as one block (`prefill="full"`), then compressed to C.
+  eager for every contender (transformers' generate compiles only the decode step too), for the contenders
+  listed in the settings (H2O's prefill cost hardly depends on the budget: it attends over C + T keys).
+  H2O prefill is the whole prompt as one block (`prefill="full"`), then compressed to C.
 - **Memory**: `cache` = bytes of the cache tensors from their sizes (H2O: keys, values, fp32 scores, int64
   positions; StaticCache: its preallocated `total`-token buffer; DynamicCache: keys and values of the `total`
   tokens it holds after the last step). `transient` = the largest rise of the process RSS above its resident
@@ -66,6 +67,10 @@ def headline_lines(head: dict) -> list[str]:
         if key in head:
             sign = ">=" if better == "higher" else "<="
             lines.append(f"- {words}: **{head[key]:.2f}x** (target {sign} {target}x): {_verdict(key, head[key])}")
+    if "step_ratio_h2o_vs_static_same_slots" in head:
+        lines.append(f"- h2o step time / StaticCache + compile over the same number of slots without eviction "
+                     f"(`hf-static-compile@0.2`, a cost floor, not a method): "
+                     f"{head['step_ratio_h2o_vs_static_same_slots']:.2f}x (no target; the H2O bookkeeping overhead)")
     return lines
 
 
@@ -95,7 +100,8 @@ def markdown(result: dict, command: str) -> str:
               f"measurements taken at the start, before every decode configuration and at the end, which ranged "
               f"{bw['copy_gb_s_min']:.1f} to {bw['copy_gb_s_max']:.1f} GB/s), read-only (sum) "
               f"{bw['read_gb_s']:.1f} GB/s. "
-              f"Run took {result['elapsed_s']:.0f} s; process peak RSS {result['peak_rss_mib']:.0f} MiB.")
+              f"Run took {result['elapsed_s']:.0f} s (of which {result.get('waited_for_quiet_s', 0):.0f} s waiting "
+              f"for other processes to leave the CPU); process peak RSS {result['peak_rss_mib']:.0f} MiB.")
     run = (f"Settings: models {s['models']}, batches {s['batches']}, totals {s['totals']}, {s['steps']} decode "
            f"steps per block, {s['warmup']} warm-up steps, {s['repeats']} repeats, compile={s['compile']}.")
     lines = ["# Decode on CPU: H2O vs transformers' caches", "",
@@ -115,9 +121,10 @@ def markdown(result: dict, command: str) -> str:
                   else "No configuration was disturbed (all <= 0.1 core)."), ""]
     if result["prefill"]:
         rows = [[r["model"], r["total"], r["prompt_tokens"], r["contender"], r["prefill_s"],
-                 r["prefill_tokens_per_s"]] for r in result["prefill"]]
+                 r["prefill_tokens_per_s"], r.get("foreign_cores", "")] for r in result["prefill"]]
         lines += ["## Prefill (batch 1, real prompt)", "",
-                  markdown_table(["model", "total", "prompt tokens", "contender", "prefill s", "tokens/s"], rows), ""]
+                  markdown_table(["model", "total", "prompt tokens", "contender", "prefill s", "tokens/s",
+                                  "other procs (cores)"], rows), ""]
     lines += ["## Method", "", METHOD]
     for name, table in result.get("profiles", {}).items():
         lines += [f"## Profile: {name} (one block of decode steps, self CPU time)", "", "```", table.rstrip(),
@@ -126,33 +133,40 @@ def markdown(result: dict, command: str) -> str:
 
 
 def plot(path: Path, result: dict) -> None:
-    """tokens/s vs total length, one line per contender, one panel per (model, batch)."""
+    """tokens/s vs total length, one line per contender; a row of panels per model, a column per batch size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = result["decode"]
-    panels = sorted({(r["model"], r["batch"]) for r in rows})
-    if not panels:
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    batches = sorted({r["batch"] for r in rows})
+    if not rows:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), dpi=110, squeeze=False)
-    for ax, (model, batch) in zip(axes[0], panels):
-        names = list(dict.fromkeys(r["contender"] for r in rows if (r["model"], r["batch"]) == (model, batch)))
-        for name in names:
-            pts = sorted((r["total"], r["tokens_per_s"]) for r in rows
-                         if (r["model"], r["batch"], r["contender"]) == (model, batch, name))
-            style = "-" if name.startswith("h2o") else "--"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("total length (prompt + generated)")
-        ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"{model}, batch {batch}")
-        ax.grid(alpha=0.3, which="both")
-    axes[0][-1].legend(fontsize=8)
-    fig.suptitle("CPU decode throughput (higher is better)")
-    fig.tight_layout()
+    fig, axes = plt.subplots(len(models), len(batches), figsize=(4.8 * len(batches), 3.6 * len(models) + 0.8),
+                             dpi=110, squeeze=False)
+    names = list(dict.fromkeys(r["contender"] for r in rows))
+    for i, model in enumerate(models):
+        for j, batch in enumerate(batches):
+            ax = axes[i][j]
+            for k, name in enumerate(names):
+                pts = sorted((r["total"], r["tokens_per_s"]) for r in rows
+                             if (r["model"], r["batch"], r["contender"]) == (model, batch, name))
+                if not pts:
+                    continue
+                style = ":" if "@" in name and name.startswith("hf") else ("--" if name.startswith("hf") else "-")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", color=f"C{k}", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("total length (prompt + generated)")
+            ax.set_ylabel("decode tokens/s")
+            ax.set_title(f"{model}, batch {batch}")
+            ax.grid(alpha=0.3, which="both")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 4), fontsize=8)
+    fig.suptitle("CPU decode throughput (higher is better; dashed: transformers, dotted: cost floor)")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)

@@ -167,20 +167,25 @@ def cmd_bench(args) -> int:
 
     from .bench import BenchSettings, run_bench
     from .bench_report import write_bench_report
+    from .report import command_line
 
     if args.threads:
         torch.set_num_threads(args.threads)
     smoke = dict(models=["smoke"], batches=[1, 2], totals=[64, 128], steps=4, warmup=2, repeats=2,
-                 bandwidth_mib=64) if args.smoke else {}
+                 bandwidth_mib=64, quiet_wait_s=0, retries=0) if args.smoke else {}
     settings = BenchSettings(**{**dict(
         models=args.models, batches=args.batches, totals=args.totals, budgets=args.budgets,
         local_budget=args.local_budget, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
         prefill=not args.no_prefill, prefill_repeats=args.prefill_repeats, compile=args.compile == "on",
+        prefill_contenders=args.prefill_contenders, quiet_wait_s=args.quiet_wait, retries=args.retries,
         contenders=args.contenders, bandwidth_mib=args.bandwidth_mib, seed=args.seed, profile=args.profile),
         **smoke})
     out = args.out or ("/tmp/h2o_bench_smoke/decode_cpu" if args.smoke else "docs/results/decode_cpu")
     result = run_bench(settings)
-    paths = write_bench_report(result, out)
+    command = command_line()
+    if command.startswith("decode.py"):  # benchmarks/decode.py, the wrapper
+        command = "python benchmarks/" + command
+    paths = write_bench_report(result, out, command)
     print(paths["markdown"].read_text())
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
@@ -198,6 +203,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--no-prefill", action="store_true", help="skip the batch-1 prefill timing")
     bench.add_argument("--prefill-repeats", type=int, default=1)
+    bench.add_argument("--prefill-contenders", type=_csv(str),
+                       default=["hf-dynamic", "hf-static-compile", "h2o-full", "h2o@0.2"],
+                       help="contenders whose batch-1 prefill is timed ('' = all)")
     bench.add_argument("--compile", choices=("on", "off"), default="on")
     bench.add_argument("--contenders", type=_csv(str), default=None,
                        help="subset, e.g. hf-dynamic,hf-static-compile,h2o-full,local@0.2,h2o@0.2")
@@ -205,6 +213,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--profile", action="store_true", help="torch.profiler tables at the largest config")
+    bench.add_argument("--quiet-wait", type=float, default=900.0,
+                       help="max seconds to wait, before each measurement, for other processes to leave the CPU")
+    bench.add_argument("--retries", type=int, default=2, help="redo a decode configuration others disturbed")
     bench.add_argument("--smoke", action="store_true", help="tiny sizes, to check it works (output in /tmp)")
     bench.add_argument("--out", default=None, help="path without extension (default docs/results/decode_cpu)")
     bench.set_defaults(func=cmd_bench)

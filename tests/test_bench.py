@@ -19,7 +19,7 @@ from h2o_compile.bench import (
 from h2o_compile.bench_contenders import H2OContender, HFContender, build_contenders
 from h2o_compile.bench_report import write_bench_report
 
-CONTENDERS = ["hf-dynamic", "hf-static-compile", "local@0.2", "h2o@0.2"]
+CONTENDERS = ["hf-dynamic", "hf-static-compile", "hf-static-compile@0.2", "local@0.2", "h2o@0.2"]
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +37,13 @@ def test_weight_bytes_hand_computed(smoke_model):
 
 def test_smoke_run_structure_and_fairness(smoke_model, tmp_path):
     settings = BenchSettings(models=["smoke"], batches=[2], totals=[32], steps=4, warmup=1, repeats=2,
-                             compile=False, contenders=CONTENDERS, bandwidth_mib=8)
+                             compile=False, contenders=CONTENDERS, bandwidth_mib=8, quiet_wait_s=0, retries=0)
     result = run_bench(settings, log=lambda *a: None)
     rows = {r["contender"]: r for r in result["decode"]}
     assert sorted(rows) == sorted(CONTENDERS)
-    assert {r["contender"] for r in result["prefill"]} == set(CONTENDERS)
+    assert {r["contender"] for r in result["prefill"]} == {"hf-dynamic", "hf-static-compile", "h2o@0.2"}
     for r in rows.values():
-        assert r["finite"] and r["context"] == 28 and r["context_seen"] == [28, 28]
+        assert r["finite"] and r["context"] == 28 and r["context_seen"] == [28, 28] and r["context_after"] == [32, 32]
         assert len(r["blocks"]) == 2 and all(len(b) == 4 for b in r["blocks"])
         assert r["step_ms_p50"] <= r["step_ms_p95"] and r["tokens_per_s"] > 0
         assert r["compiles_during_timing"] == 0
@@ -56,6 +56,8 @@ def test_smoke_run_structure_and_fairness(smoke_model, tmp_path):
     per_token = 2 * 2 * 2 * 16 * 2 * 4
     assert rows["hf-dynamic"]["cache_bytes"] == rows["hf-static-compile"]["cache_bytes"] == per_token * 32
     cap = math.ceil(0.2 * 32)
+    assert rows["hf-static-compile@0.2"]["capacity"] == cap and rows["hf-static-compile@0.2"]["cache_bytes"] == (
+        per_token * cap)
     assert rows["h2o@0.2"]["capacity"] == cap
     assert rows["h2o@0.2"]["cache_bytes"] == (per_token + 2 * 2 * 2 * (4 + 8)) * cap  # + fp32 score, int64 position
     dyn_read = sum(per_token * (28 + i + 1) for i in range(4)) / 4
@@ -63,6 +65,8 @@ def test_smoke_run_structure_and_fairness(smoke_model, tmp_path):
     head = result["headline"]
     assert head["model"] == "smoke" and head["batch"] == 2 and head["total"] == 32
     assert math.isclose(head["kv_bytes_ratio_vs_full"], rows["h2o@0.2"]["cache_bytes"] / (per_token * 32))
+    assert math.isclose(head["step_ratio_h2o_vs_static_same_slots"],
+                        rows["h2o@0.2"]["step_ms_p50"] / rows["hf-static-compile@0.2"]["step_ms_p50"])
     paths = write_bench_report(result, str(tmp_path / "decode_cpu"), command="h2o-compile bench --smoke")
     assert json.loads(paths["json"].read_text())["command"] == "h2o-compile bench --smoke"
     text = paths["markdown"].read_text()
