@@ -30,6 +30,36 @@ def check_prompt(input_ids, attention_mask) -> Optional[Tensor]:
     return mask
 
 
+def place_block(seen: Tensor, fed: int, max_seq_len: int, input_ids, attention_mask, device
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """Validate a block for ``step`` and give it positions after what each row has already seen.
+
+    Shared by H2OModel and H2OOrtModel. ``seen`` [B] (valid tokens per row so far) is advanced in place; the
+    caller adds T to its own ``fed`` count.
+    Returns input_ids [B, T] int64, valid [B, T] bool and positions [B, T] int64, all on ``device``.
+    """
+    batch = seen.shape[0]
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != batch:
+        got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a tensor [batch={batch}, T] as given to reset(); got {got}")
+    t = input_ids.shape[1]
+    if t < 1:
+        raise ValueError("input_ids has no tokens: give a block of T >= 1")
+    if fed + t > max_seq_len:
+        raise ValueError(f"{fed} + {t} tokens exceed max_seq_len={max_seq_len} given to reset()")
+    input_ids = input_ids.to(device, torch.long)
+    if attention_mask is None:
+        valid = torch.ones(batch, t, dtype=torch.bool, device=device)
+    else:
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
+                             f"{tuple(input_ids.shape)}")
+        valid = attention_mask.to(device).bool()
+    positions = (seen[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)        # [B, T]
+    seen += valid.sum(1)
+    return input_ids, valid, positions
+
+
 def _eos_tensor(eos_token_id, device) -> Optional[Tensor]:
     if eos_token_id is None:
         return None

@@ -131,22 +131,9 @@ class H2OModel(nn.Module):
             logits [B, T, V]; padding positions hold meaningless values.
         """
         state = self.state()
-        batch = self.seen.shape[0]
-        if input_ids.dim() != 2 or input_ids.shape[0] != batch:
-            raise ValueError(f"input_ids must be [batch={batch}, T] as given to reset(); got {tuple(input_ids.shape)}")
+        input_ids, valid, positions = generation.place_block(self.seen, self._fed, self.max_seq_len, input_ids,
+                                                             attention_mask, self.device)
         t = input_ids.shape[1]
-        if self._fed + t > self.max_seq_len:
-            raise ValueError(f"{self._fed} + {t} tokens exceed max_seq_len={self.max_seq_len} given to reset()")
-        input_ids = input_ids.to(self.device)
-        if attention_mask is None:
-            valid = torch.ones(batch, t, dtype=torch.bool, device=self.device)
-        else:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
-                                 f"{tuple(input_ids.shape)}")
-            valid = attention_mask.to(self.device).bool()
-        positions = (self.seen[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)   # [B, T]
-        self.seen += valid.sum(1)
         self._fed += t
         if t == 1:
             return self._decode_fn()(input_ids, positions, valid, *state)

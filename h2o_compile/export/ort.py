@@ -230,26 +230,9 @@ class H2OOrtModel:
             logits [B, T, V] on ``self.device``; padding positions hold meaningless values.
         """
         self.state()
-        batch = self.seen.shape[0]
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != batch:
-            got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
-            raise ValueError(f"input_ids must be a tensor [batch={batch}, T] as given to reset(); got {got}")
+        input_ids, valid, positions = generation.place_block(self.seen, self._fed, self.max_seq_len, input_ids,
+                                                             attention_mask, self.device)
         t = input_ids.shape[1]
-        if t < 1:
-            raise ValueError("input_ids has no tokens: give a block of T >= 1")
-        if self._fed + t > self.max_seq_len:
-            raise ValueError(f"{self._fed} + {t} tokens exceed max_seq_len={self.max_seq_len} given to "
-                             "reset()")
-        input_ids = input_ids.to(self.device, torch.long)
-        if attention_mask is None:
-            valid = torch.ones(batch, t, dtype=torch.bool, device=self.device)
-        else:
-            if attention_mask.shape != input_ids.shape:
-                raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
-                                 f"{tuple(input_ids.shape)}")
-            valid = attention_mask.to(self.device).bool()
-        positions = (self.seen[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)   # [B, T]
-        self.seen += valid.sum(1)
         self._fed += t
         chunk = self.meta.get("prefill", "full")
         chunk = t if chunk == "full" or t == 1 else int(chunk)
