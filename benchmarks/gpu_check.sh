@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks of the Triton kernels, as one run on a machine with a CUDA GPU:
 #   1. tests/kernels on CUDA (compiled kernels, larger shapes, bf16, CUDA-graph replay, torch.compile);
-#   2. benchmarks/decode_kernel_micro.py (fused decode vs reference vs SDPA over C slots / the full cache).
+#   2. benchmarks/decode_kernel_micro.py (fused decode vs reference vs SDPA over C slots / the full cache);
+#   3. benchmarks/decode_cuda.py (whole model: CUDA graphs on/off, largest batch under a memory cap).
 # It installs nothing from the network: it uses the machine's python (with torch + triton) and imports
 # h2o_compile from this checkout through PYTHONPATH. Everything lands under $OUT (default ./out):
-# env.txt, pytest.log, pytest.xml, bench.log, decode_kernel_micro.json.
+# env.txt, pytest.log, pytest.xml, bench.log, decode_kernel_micro.json, decode_cuda.{json,md,png}, decode_cuda.log.
 #
 #   bash benchmarks/gpu_check.sh               # PYTHON=... to pick the interpreter, TEST_TIMEOUT=... seconds
+#   STAGES="decode" bash benchmarks/gpu_check.sh   # a subset of: tests micro decode (default all three)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./out}"
@@ -24,15 +26,25 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 2
 fi
 
-# Kernel compilation dominates the test time: spread it over processes when pytest-xdist is there.
-XDIST=()
-if "$PY" -c 'import xdist' 2>/dev/null; then XDIST=(-n 4); fi
-timeout "${TEST_TIMEOUT:-360}" "$PY" -m pytest tests/kernels -q -p no:cacheprovider -rs --durations=15 \
-  "${XDIST[@]}" --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
-tests=${PIPESTATUS[0]}
+STAGES="${STAGES:-tests micro decode}"
+tests=0 bench=0 decode=0
+if [[ " $STAGES " == *" tests "* ]]; then
+  # Kernel compilation dominates the test time: spread it over processes when pytest-xdist is there.
+  XDIST=()
+  if "$PY" -c 'import xdist' 2>/dev/null; then XDIST=(-n 4); fi
+  timeout "${TEST_TIMEOUT:-360}" "$PY" -m pytest tests/kernels -q -p no:cacheprovider -rs --durations=15 \
+    "${XDIST[@]}" --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
+  tests=${PIPESTATUS[0]}
+fi
+if [[ " $STAGES " == *" micro "* ]]; then
+  "$PY" benchmarks/decode_kernel_micro.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+  bench=${PIPESTATUS[0]}
+fi
+if [[ " $STAGES " == *" decode "* ]]; then
+  timeout "${DECODE_TIMEOUT:-300}" "$PY" benchmarks/decode_cuda.py --out "$OUT/decode_cuda" 2>&1 \
+    | tee "$OUT/decode_cuda.log"
+  decode=${PIPESTATUS[0]}
+fi
 
-"$PY" benchmarks/decode_kernel_micro.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
-bench=${PIPESTATUS[0]}
-
-echo "gpu_check: pytest exit $tests, benchmark exit $bench (results in $OUT)"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+echo "gpu_check: pytest exit $tests, kernel benchmark exit $bench, decode benchmark exit $decode (results in $OUT)"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$decode" -eq 0 ]

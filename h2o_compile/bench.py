@@ -29,9 +29,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .bench_contenders import build_contenders
-from .bench_machine import (apply_roofline, cpu_ticks, foreign_cores, measure_bandwidth, peak_rss_kib,
-                            reset_peak_rss, roofline_seconds, summarize_bandwidth, weight_bytes_per_step)
+from .bench_contenders import _synchronize, build_contenders
+from .bench_machine import (apply_roofline, cpu_ticks, foreign_cores, measure_bandwidth, peak_memory_kib,
+                            reset_peak_memory, roofline_seconds, summarize_bandwidth, weight_bytes_per_step)
 from .bench_machine import wait_for_quiet as _wait
 
 __all__ = ["BenchSettings", "build_model", "headline", "roofline_seconds", "run_bench", "run_decode",
@@ -124,7 +124,7 @@ def _timed_block(contender, tokens, context: int) -> tuple[list, torch.Tensor]:
     for i in range(tokens.shape[1]):
         start = time.perf_counter()
         logits = contender.step(tokens[:, i:i + 1], context + i)
-        logits.argmax(-1)  # what a greedy generate does next; the same for everyone
+        _synchronize(logits.argmax(-1))  # what a greedy generate does next; the same for everyone
         times.append(time.perf_counter() - start)
     return times, logits
 
@@ -137,6 +137,7 @@ def run_decode(contenders: list, model: nn.Module, batch: int, total: int, setti
     vocab = model.config.vocab_size
     tokens = torch.randint(0, vocab, (batch, steps), generator=torch.Generator().manual_seed(settings.seed))
     weights = weight_bytes_per_step(model, batch)
+    device = next(model.parameters()).device
     rows = {}
     for c in contenders:
         start = time.perf_counter()
@@ -157,9 +158,9 @@ def run_decode(contenders: list, model: nn.Module, batch: int, total: int, setti
             row = rows[c.name]
             gc.collect()
             row["context_seen"].append(c.cached_tokens())
-            rss0 = reset_peak_rss()
+            rss0 = reset_peak_memory(device)
             times, logits = _timed_block(c, tokens, context)
-            peak = peak_rss_kib()
+            peak = peak_memory_kib(device)
             if rss0 is not None and peak is not None:
                 row["transient_peak_kib"].append(peak - rss0)
             row["finite"] = row["finite"] and bool(torch.isfinite(logits).all())

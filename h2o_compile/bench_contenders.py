@@ -37,11 +37,12 @@ def kv_geometry(model: nn.Module) -> tuple[int, int, int]:
 
 
 def synthetic_kv(layer: int, batch: int, kv_heads: int, context: int, head_dim: int, value_dim: int,
-                 dtype: torch.dtype, seed: int) -> tuple[Tensor, Tensor]:
-    """Random keys [B, Hkv, context, D] and values [B, Hkv, context, Dv]; the same for every contender."""
+                 dtype: torch.dtype, seed: int, device=None) -> tuple[Tensor, Tensor]:
+    """Random keys [B, Hkv, context, D] and values [B, Hkv, context, Dv]; the same for every contender (drawn
+    on the CPU, so every device gets the same numbers)."""
     gen = torch.Generator().manual_seed(seed * 100_003 + layer)
-    keys = torch.randn(batch, kv_heads, context, head_dim, generator=gen).to(dtype)
-    values = torch.randn(batch, kv_heads, context, value_dim, generator=gen).to(dtype)
+    keys = torch.randn(batch, kv_heads, context, head_dim, generator=gen).to(device=device, dtype=dtype)
+    values = torch.randn(batch, kv_heads, context, value_dim, generator=gen).to(device=device, dtype=dtype)
     return keys, values
 
 
@@ -68,18 +69,25 @@ class HFContender:
     """transformers' decoder with DynamicCache (eager forward) or StaticCache (forward under torch.compile,
     the gpt-fast recipe: fullgraph, static shapes; the prefill stays eager as in transformers' generate)."""
 
-    def __init__(self, model: nn.Module, static: bool, compile: bool = True, window: float | None = None):
-        """``window``: a StaticCache of only ceil(window x total) slots holding the newest tokens, without any
+    def __init__(self, model: nn.Module, static: bool, compile: bool | str = True, window: float | None = None,
+                 name: str | None = None):
+        """``compile``: True (torch.compile's default mode) or a torch.compile mode such as "reduce-overhead"
+        (CUDA graphs). ``name`` overrides the contender's name (one model timed in several modes).
+        ``window``: a StaticCache of only ceil(window x total) slots holding the newest tokens, without any
         eviction logic: what attention over an H2O-sized cache costs in transformers, a floor for H2O's step
         (not a method: it simply forgets everything older than the window, and is timed like the others)."""
         self.model, self.static, self.compile = model, static or window is not None, compile and static
         self.window = window
         self.name = "hf-static-compile" if static else "hf-dynamic"
+        self.mode = compile if isinstance(compile, str) else None
         self.label = (("transformers StaticCache + torch.compile" if self.compile else
                        "transformers StaticCache (not compiled)") if static else "transformers eager DynamicCache")
         if window is not None:
             self.name += f"@{window:g}"
             self.label += f" over only {window:g} of the sequence (cost floor, no eviction)"
+        if self.mode:
+            self.label += f" (mode {self.mode})"
+        self.name = name or self.name
         self.policy, self.capacity = "full", None
         self.prefill_supported = window is None
         self.cache = None
@@ -95,7 +103,7 @@ class HFContender:
 
     def prepare(self, batch: int, total: int, context: int, seed: int) -> None:
         layers, kv_heads, head_dim = kv_geometry(self.model)
-        dtype = next(self.model.parameters()).dtype
+        weight = next(self.model.parameters())
         if self.window is not None:
             slots = math.ceil(self.window * total)
             if slots <= total - context:
@@ -104,12 +112,13 @@ class HFContender:
             total, context = slots, slots - (total - context)
         self.cache = self._new_cache(total)
         for i in range(layers):
-            keys, values = synthetic_kv(i, batch, kv_heads, context, head_dim, head_dim, dtype, seed)
+            keys, values = synthetic_kv(i, batch, kv_heads, context, head_dim, head_dim, weight.dtype, seed,
+                                        weight.device)
             self.cache.update(keys, values, i)
         self.batch, self.total, self.context, self.capacity = batch, total, context, total
         if self._fn is None:
-            self._fn = (torch.compile(self.model.forward, fullgraph=True, dynamic=False) if self.compile
-                        else self.model.forward)
+            self._fn = (torch.compile(self.model.forward, fullgraph=True, dynamic=False, mode=self.mode)
+                        if self.compile else self.model.forward)
 
     def cached_tokens(self) -> int:
         return int(self.cache.get_seq_length()) + self._offset
@@ -121,14 +130,17 @@ class HFContender:
 
     @torch.no_grad()
     def step(self, tokens: Tensor, position: int) -> Tensor:
+        tokens = tokens.to(self.model.device)
         pos = torch.full_like(tokens, position - self._offset)                  # [B, 1]
         return self._fn(input_ids=tokens, position_ids=pos, cache=self.cache, use_cache=True).logits[:, -1]
 
     @torch.no_grad()
     def prefill(self, prompt: Tensor, total: int) -> float:
         cache = self._new_cache(total)
+        prompt = prompt.to(self.model.device)
         start = time.perf_counter()
-        self.model(input_ids=prompt, cache=cache, use_cache=True)
+        logits = self.model(input_ids=prompt, cache=cache, use_cache=True).logits
+        _synchronize(logits)
         return time.perf_counter() - start
 
     def cache_bytes(self) -> int:
@@ -153,12 +165,15 @@ class HFContender:
 class H2OContender:
     """An H2OModel (``optimize(model, budget, policy=...)``) whose one-token decode step is compiled."""
 
-    def __init__(self, model: nn.Module, policy: str, budget: float, compile: bool = True):
+    def __init__(self, model: nn.Module, policy: str, budget: float, compile: bool | str = True,
+                 name: str | None = None):
+        """``compile``: as ``optimize`` (True, False or a torch.compile mode); ``name`` overrides the name."""
         from .runtime import optimize
 
         self.policy, self.budget = policy, budget
-        self.name = "h2o-full" if policy == "full" else f"{policy}@{budget:g}"
-        self.label = f"H2OModel {self.name}" + (" (compiled)" if compile else "")
+        self.name = name or ("h2o-full" if policy == "full" else f"{policy}@{budget:g}")
+        self.label = f"H2OModel {policy}@{budget:g}" + (
+            f" (compiled, mode {compile})" if isinstance(compile, str) else " (compiled)" if compile else "")
         self.h2o = optimize(model, budget=budget, policy=policy, compile=compile)
         self.prefill_supported = True
         self.capacity = None
@@ -176,8 +191,8 @@ class H2OContender:
         for i, spec in enumerate(h.layers):
             key, value, score, pos = self._layer_state(i)
             keys, values = synthetic_kv(i, batch, spec.kv_heads, context, spec.head_dim, spec.value_dim,
-                                        spec.dtype, seed)
-            kept = synthetic_positions(self.policy, cap, recent, context, batch, spec.kv_heads, seed + i)
+                                        spec.dtype, seed, key.device)
+            kept = synthetic_positions(self.policy, cap, recent, context, batch, spec.kv_heads, seed + i).to(key.device)
             n = kept.shape[-1]
             key[:, :, :n] = keys.gather(2, kept[..., None].expand(-1, -1, -1, spec.head_dim))
             value[:, :, :n] = values.gather(2, kept[..., None].expand(-1, -1, -1, spec.value_dim))
@@ -209,7 +224,7 @@ class H2OContender:
     def prefill(self, prompt: Tensor, total: int) -> float:
         self.h2o.reset(prompt.shape[0], total)
         start = time.perf_counter()
-        self.h2o.step(prompt)
+        _synchronize(self.h2o.step(prompt))
         return time.perf_counter() - start
 
     def cache_bytes(self) -> int:
@@ -224,6 +239,12 @@ class H2OContender:
         for i in range(len(self.h2o.layers)):
             for name in state_names(i):
                 setattr(self.h2o, name, torch.empty(0))
+
+
+def _synchronize(t: Tensor) -> None:
+    """Wait for the device: a CUDA step returns before its kernels finish."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
 
 
 def build_contenders(model: nn.Module, budgets, local_budget: float, compile: bool = True,

@@ -36,6 +36,23 @@ def peak_rss_kib() -> int | None:
     return _status_kib("VmHWM")
 
 
+def reset_peak_memory(device: torch.device) -> int | None:
+    """Start a peak-memory window; returns the memory in use now in KiB (CUDA: allocated by torch; CPU: RSS)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device) // 1024
+    return reset_peak_rss()
+
+
+def peak_memory_kib(device: torch.device) -> int | None:
+    """The peak since ``reset_peak_memory``, in KiB, measured the same way."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) // 1024
+    return peak_rss_kib()
+
+
 def cpu_ticks() -> tuple[int, int]:
     """(busy ticks of the whole machine, ticks of this process) from /proc: their difference over an
     interval is CPU time other processes took, i.e. how much the measurement was disturbed."""
@@ -72,20 +89,25 @@ def wait_for_quiet(max_wait_s: float, quiet_cores: float, log=print) -> float:
     return waited
 
 
-def measure_bandwidth(mib: int = 512, repeats: int = 5) -> dict:
+def measure_bandwidth(mib: int = 512, repeats: int = 5, device: torch.device | str = "cpu") -> dict:
     """Best-of-``repeats`` copy of a ``mib`` MiB fp32 tensor: GB/s counting read + write (STREAM copy)."""
+    device = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     n = mib * 2**20 // 4
-    src = torch.ones(n)
+    src = torch.ones(n, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # touch the pages
     copy = []
     read = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         copy.append(time.perf_counter() - start)
         start = time.perf_counter()
         src.sum()
+        sync()
         read.append(time.perf_counter() - start)
     nbytes = n * 4
     return {"bytes": nbytes, "copy_gb_s": 2 * nbytes / min(copy) / 1e9, "read_gb_s": nbytes / min(read) / 1e9,

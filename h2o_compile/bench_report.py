@@ -172,12 +172,64 @@ def plot(path: Path, result: dict) -> None:
     plt.close(fig)
 
 
-def write_bench_report(result: dict, out: str, command: str | None = None) -> dict:
-    """Write ``out``.json / .md / .png (``out`` without extension); returns the paths."""
+def _write(result: dict, out: str, command: str | None, to_markdown, to_png) -> dict:
+    """``out``.json / .md / .png (``out`` without extension); returns the paths."""
     command = command or command_line()
     base = Path(out)
     paths = {"json": base.with_suffix(".json"), "markdown": base.with_suffix(".md"), "png": base.with_suffix(".png")}
     write_json(paths["json"], dict(command=command, **result))
-    paths["markdown"].write_text(markdown(result, command))
-    plot(paths["png"], result)
+    paths["markdown"].write_text(to_markdown(result, command))
+    to_png(paths["png"], result)
     return paths
+
+
+def write_bench_report(result: dict, out: str, command: str | None = None) -> dict:
+    """The CPU run (bench.run_bench) as ``out``.json / .md / .png; returns the paths."""
+    return _write(result, out, command, markdown, plot)
+
+
+def cuda_markdown(result: dict, command: str) -> str:
+    """The GPU run (bench_cuda.run_cuda_bench): CUDA graphs on/off, and the largest batch under a memory cap."""
+    s = result["settings"]
+    bw = result["bandwidth"]
+    lines = ["# Decode on a GPU: CUDA graphs and the largest batch under a memory cap", "",
+             f"Command: `{command}`", "", f"Machine: {result['machine']}", "",
+             f"Model `{s['model']}` in {s['dtype']} on {s['device']}; device copy bandwidth {bw['copy_gb_s']:.0f} "
+             f"GB/s; run took {result['elapsed_s']:.0f} s.", ""]
+    if result["graphs"]:
+        base = {r["contender"]: r for r in result["graphs"]}
+        eager = base.get("hf-dynamic")
+        rows = [[r["contender"], r["label"], r["capacity"], _mib(r["cache_bytes"]), r["tokens_per_s"],
+                 r["step_ms_p50"], r["step_ms_p95"], r["tokens_per_s"] / eager["tokens_per_s"] if eager else "",
+                 r["roofline_ratio"], r["warmup_s"]] for r in result["graphs"]]
+        lines += [f"## CUDA graphs on and off (batch {s['batch']}, total {s['total']})", "",
+                  markdown_table(["contender", "what", "C (slots)", "cache MiB", "tokens/s", "p50 ms", "p95 ms",
+                                  "x hf-dynamic", "p50/roofline", "warm-up s"], rows), ""]
+    if result["memory_cap"]:
+        rows = [[r["contender"], r["timed_as"], r["cap_bytes"] / 2**30, r["predicted"], r["batch"],
+                 "" if r["need_bytes"] is None else r["need_bytes"] / 2**30, r.get("tokens_per_s", ""),
+                 r.get("step_ms_p50", ""), len(r["tries"])] for r in result["memory_cap"]]
+        lines += [f"## Largest batch under {s['memory_cap_gib']:g} GiB (total {s['total']} tokens)", "",
+                  markdown_table(["contender", "timed as", "cap GiB", "predicted batch", "batch", "peak GiB",
+                                  "tokens/s", "p50 ms", "verified runs"], rows), "",
+                  "Peak = weights + the most memory the contender allocated over filling its cache and the warm-up "
+                  "steps (torch.cuda.max_memory_allocated). The batch is predicted from eager probes at batches "
+                  f"{s['probe_batches']} and verified compiled with CUDA graphs.", ""]
+    return "\n".join(lines) + "\n"
+
+
+def cuda_plot(path: Path, result: dict) -> None:
+    """tokens/s bars: graphs on and off, then each contender at its largest batch under the cap."""
+    from .report import plot_bars
+
+    bars = [(r["contender"], r["tokens_per_s"]) for r in result["graphs"]]
+    bars += [(f"{r['contender']} @ B={r['batch']} (cap)", r.get("tokens_per_s", 0.0)) for r in result["memory_cap"]]
+    if bars:
+        plot_bars(path, [name for name, _ in bars], {"decode tokens/s": [v for _, v in bars]},
+                  ylabel="tokens/s", title=f"GPU decode, {result['settings']['model']} (higher is better)",
+                  rotation=30)
+
+
+def write_cuda_report(result: dict, out: str, command: str | None = None) -> dict:
+    """The GPU run (bench_cuda.run_cuda_bench) as ``out``.json / .md / .png; returns the paths."""
+    return _write(result, out, command, cuda_markdown, cuda_plot)

@@ -71,8 +71,9 @@ def plot_lines(path: Path, series: dict, *, xlabel: str, ylabel: str, title: str
     plt.close(fig)
 
 
-def plot_bars(path: Path, groups: Sequence[str], series: dict, *, ylabel: str, title: str) -> None:
-    """Grouped bars: series maps a label to one value per group."""
+def plot_bars(path: Path, groups: Sequence[str], series: dict, *, ylabel: str, title: str,
+              rotation: int = 0) -> None:
+    """Grouped bars: series maps a label to one value per group (``rotation``: degrees for long group names)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,7 +83,8 @@ def plot_bars(path: Path, groups: Sequence[str], series: dict, *, ylabel: str, t
     width = 0.8 / max(1, len(series))
     for i, (label, values) in enumerate(series.items()):
         ax.bar([g + i * width for g in range(len(groups))], values, width, label=label)
-    ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups)
+    ax.set_xticks([g + width * (len(series) - 1) / 2 for g in range(len(groups))], groups, rotation=rotation,
+                  ha="right" if rotation else "center")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)

@@ -14,7 +14,15 @@ from .kernels.reference import empty_state
 from .passes import LayerSpec, find_attention_sites, rewrite_attention, set_h2o_params, state_names
 from .support import ModelLimits, UnsupportedModelError, check_sequence_fits, check_supported
 
-_COMPILE_CHOICES = ("auto", True, False)
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
+
+
+def _check_compile(compile) -> None:
+    if isinstance(compile, bool) or (isinstance(compile, str) and compile in _COMPILE_CHOICES):
+        return
+    raise ValueError(f"compile={compile!r}; allowed: 'auto', True, False or a torch.compile mode "
+                     f"({', '.join(map(repr, _COMPILE_MODES))})")
 
 
 class H2OModel(nn.Module):
@@ -27,8 +35,7 @@ class H2OModel(nn.Module):
     def __init__(self, model: nn.Module, graph: torch.fx.GraphModule, layers: list[LayerSpec], config: H2OConfig,
                  limits: ModelLimits, compile: Union[str, bool] = "auto"):
         super().__init__()
-        if compile not in _COMPILE_CHOICES:
-            raise ValueError(f"compile={compile!r}; allowed: 'auto', True, False")
+        _check_compile(compile)
         self.model = model  # kept for .config / .generation_config; the graph shares its weights
         self.graph = graph
         self.layers = layers
@@ -106,14 +113,16 @@ class H2OModel(nn.Module):
 
     def _decode_fn(self):
         """The one-token step, compiled once per (batch size, capacity) when compilation is on."""
-        use = self.compile_mode
-        if use == "auto":
-            use = self.device.type == "cuda"
-        if not use:
+        mode = self.compile_mode
+        cuda = self.device.type == "cuda"
+        if mode == "auto":
+            mode = cuda
+        if mode is False:
             return self._run_graph
+        if mode is True:
+            mode = "reduce-overhead" if cuda else "default"  # CUDA graphs for the step on GPU
         key = (int(self.seen.shape[0]), self.capacity)
         if key not in self._compiled:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
             # Compile the GraphModule itself, not a method of this class: dynamo counts recompiles per code
             # object, and every graph (and every set_h2o_params) has its own generated forward, so many
             # H2OModels in one process (an eval sweep) never share one recompile limit.
@@ -192,11 +201,11 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
         budget: float in (0, 1] (fraction of prompt + new tokens) or int (cache slots).
         recent_ratio, sink_tokens, policy, prefill, seed: see :class:`H2OConfig`.
         compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU),
-            ``"auto"`` does so on CUDA only (on CPU the compile time rarely pays for short runs).
+            ``"auto"`` does so on CUDA only (on CPU the compile time rarely pays for short runs); a
+            torch.compile mode (``"default"``, ``"reduce-overhead"``, ...) compiles with that mode.
     """
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
                        prefill=prefill, seed=seed)
-    if compile not in _COMPILE_CHOICES:
-        raise ValueError(f"compile={compile!r}; allowed: 'auto', True, False")
+    _check_compile(compile)
     graph, layers, limits = build_graph(model)
     return H2OModel(model, graph, layers, config, limits, compile=compile)

@@ -108,6 +108,7 @@ def test_errors_are_clear(llama, call, error, match):
     (dict(budget=2.0), "budget=2.0"),
     (dict(policy="lru"), "policy='lru'"),
     (dict(compile="yes"), "compile='yes'"),
+    (dict(compile=1), "compile=1"),
 ])
 def test_optimize_rejects_bad_arguments(llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -140,3 +141,17 @@ def test_many_compiled_models_in_one_process_do_not_share_a_recompile_limit(llam
             opt.step(ids[:, 6:7])
             opt.step(ids[:, 7:8])
             assert opt.kept_positions(0).ge(0).sum(-1).eq(budget).all()
+
+
+def test_compile_mode_string_is_passed_to_torch_compile(llama):
+    """compile="reduce-overhead" (CUDA graphs on GPU; on CPU Inductor skips the graphs) decodes like eager."""
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for mode in (False, "reduce-overhead"):
+        opt = h2o_compile.optimize(llama, budget=5, compile=mode)
+        opt.reset(2, 9)
+        opt.step(ids[:, :6])
+        logits[mode] = [opt.step(ids[:, i:i + 1]) for i in range(6, 9)]
+        assert (opt._compiled != {}) == bool(mode)
+    for eager, compiled in zip(logits[False], logits["reduce-overhead"]):
+        torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
