@@ -59,7 +59,7 @@ class BenchSettings:
     # H2O's prefill cost hardly depends on the budget (it attends over C + T keys, T dominating): time a subset.
     prefill_contenders: list = field(default_factory=lambda: ["hf-dynamic", "hf-static-compile", "h2o-full",
                                                               "h2o@0.2"])
-    compile: bool = True
+    compile: bool | str = True  # or a torch.compile mode, the same for every compiled contender
     contenders: list | None = None
     bandwidth_mib: int = 512
     seed: int = 0

@@ -117,8 +117,10 @@ class HFContender:
             self.cache.update(keys, values, i)
         self.batch, self.total, self.context, self.capacity = batch, total, context, total
         if self._fn is None:
-            self._fn = (torch.compile(self.model.forward, fullgraph=True, dynamic=False, mode=self.mode)
-                        if self.compile else self.model.forward)
+            from .runtime import compile_step  # the same settings H2OModel compiles its step with
+
+            self._fn = (compile_step(self.model.forward, self.mode or "default", weight.device) if self.compile
+                        else self.model.forward)
 
     def cached_tokens(self) -> int:
         return int(self.cache.get_seq_length()) + self._offset

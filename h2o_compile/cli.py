@@ -176,7 +176,8 @@ def cmd_bench(args) -> int:
     settings = BenchSettings(**{**dict(
         models=args.models, batches=args.batches, totals=args.totals, budgets=args.budgets,
         local_budget=args.local_budget, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
-        prefill=not args.no_prefill, prefill_repeats=args.prefill_repeats, compile=args.compile == "on",
+        prefill=not args.no_prefill, prefill_repeats=args.prefill_repeats,
+        compile={"on": True, "off": False}.get(args.compile, args.compile),
         prefill_contenders=args.prefill_contenders, quiet_wait_s=args.quiet_wait, retries=args.retries,
         contenders=args.contenders, bandwidth_mib=args.bandwidth_mib, seed=args.seed, profile=args.profile),
         **smoke})
@@ -206,7 +207,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--prefill-contenders", type=_csv(str),
                        default=["hf-dynamic", "hf-static-compile", "h2o-full", "h2o@0.2"],
                        help="contenders whose batch-1 prefill is timed ('' = all)")
-    bench.add_argument("--compile", choices=("on", "off"), default="on")
+    bench.add_argument("--compile", choices=("on", "off", "max-autotune"), default="on",
+                       help="compiled contenders: torch.compile default mode, eager, or max-autotune (CPU: with "
+                            "frozen, prepacked weights) for transformers' StaticCache and H2O alike")
     bench.add_argument("--contenders", type=_csv(str), default=None,
                        help="subset, e.g. hf-dynamic,hf-static-compile,h2o-full,local@0.2,h2o@0.2")
     bench.add_argument("--bandwidth-mib", type=int, default=512)

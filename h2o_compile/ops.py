@@ -125,3 +125,39 @@ def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache,
     out = q.new_empty(q.shape[:3] + (v.shape[3],))
     return (out, torch.empty_like(key_cache), torch.empty_like(value_cache), torch.empty_like(score_cache),
             torch.empty_like(pos_cache))
+
+
+@torch.library.custom_op("h2o::attend_decode", mutates_args=())
+def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, key_cache: Tensor, value_cache: Tensor,
+                  pos_cache: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """The attention half of the decode step (reference.attend_decode): (out [B, Hq, 1, Dv], mass over the
+    cache [B, Hkv, C], mass on the new key [B, Hkv, 1]). Opaque to the compiler, which keeps its two
+    batched matrix-vector products on the BLAS kernels."""
+    state = reference.H2OState(key_cache, value_cache, None, pos_cache)
+    out, mass_cache, mass_new = reference.attend_decode(q, k, v, valid, state, scale)
+    return out, mass_cache.contiguous(), mass_new.clone()  # views of one tensor: outputs may not alias
+
+
+@attend_decode.register_fake
+def _(q, k, v, valid, key_cache, value_cache, pos_cache, scale):
+    mass = pos_cache.new_empty(pos_cache.shape, dtype=torch.float32)
+    return q.new_empty(q.shape[:3] + (value_cache.shape[3],)), mass, mass.new_empty(pos_cache.shape[:2] + (1,))
+
+
+def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
+                    key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
+                    scale: float, recent: int, sinks: int, policy: str, seed: int) -> Tensor:
+    """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: the opaque attention op, then
+    reference.evict_and_write_ as plain torch ops that torch.compile fuses into the step's generated code
+    (on CPU one loop nest per layer instead of ~25 small eager kernels). Same signature and result as the op;
+    the compiled CPU decode graph calls this (passes.fuse_decode_bookkeeping)."""
+    check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy)
+    if q.shape[2] != 1:
+        raise ValueError(f"decode_fusable_ takes one token per row (T = 1); got T = {q.shape[2]}")
+    valid, new_pos, newest = reference._block_inputs(k, positions, valid)
+    out, mass_cache, mass_new = torch.ops.h2o.attend_decode(q, k, v, valid, key_cache, value_cache, pos_cache,
+                                                            scale)
+    state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
+    reference.evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent,
+                               sinks=sinks, policy=policy, seed=seed)
+    return out

@@ -11,11 +11,36 @@ from . import generation
 from .capture import capture
 from .config import H2OConfig
 from .kernels.reference import empty_state
-from .passes import LayerSpec, find_attention_sites, rewrite_attention, set_h2o_params, state_names
+from .ops import backend_for
+from .passes import (LayerSpec, find_attention_sites, fuse_decode_bookkeeping, rewrite_attention, set_h2o_params,
+                     state_names)
 from .support import ModelLimits, UnsupportedModelError, check_sequence_fits, check_supported
 
 _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
+
+
+def compile_step(fn, mode: str, device: torch.device):
+    """``fn`` under torch.compile (fullgraph, static shapes) in ``mode``, as H2OModel compiles its decode step.
+
+    On CPU, ``"max-autotune"`` also freezes the weights: they become constants of the compiled step, which
+    lets Inductor prepack them for its GEMM templates (the small-batch decode matmuls are what this speeds up;
+    the packed copy costs a second copy of the weights in memory, and changing the weights afterwards needs
+    a new compile). Inductor reads ``freezing`` from its config when it compiles, which happens lazily at a
+    call, so every call runs under the patch (~30 us)."""
+    options = dict(torch._inductor.list_mode_options(mode))
+    if isinstance(fn, nn.Module):
+        # The graph's weights never change under a compiled step: skip re-checking every parameter per call.
+        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    if mode != "max-autotune" or device.type == "cuda":
+        return compiled
+
+    def frozen_step(*args, **kwargs):
+        with torch._inductor.config.patch(freezing=True):
+            return compiled(*args, **kwargs)
+
+    return frozen_step
 
 
 def _check_compile(compile) -> None:
@@ -123,10 +148,15 @@ class H2OModel(nn.Module):
             mode = "reduce-overhead" if cuda else "default"  # CUDA graphs for the step on GPU
         key = (int(self.seen.shape[0]), self.capacity)
         if key not in self._compiled:
+            graph = self.graph
+            if backend_for(self.device) == "reference":
+                # Let Inductor fuse the eviction bookkeeping with the rest of the step (the Triton decode
+                # kernel already fuses it on GPU).
+                graph = fuse_decode_bookkeeping(self.graph)
             # Compile the GraphModule itself, not a method of this class: dynamo counts recompiles per code
             # object, and every graph (and every set_h2o_params) has its own generated forward, so many
             # H2OModels in one process (an eval sweep) never share one recompile limit.
-            self._compiled[key] = torch.compile(self.graph, fullgraph=True, dynamic=False, mode=mode)
+            self._compiled[key] = compile_step(graph, mode, self.device)
         return self._compiled[key]
 
     @torch.no_grad()
@@ -202,7 +232,9 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
         recent_ratio, sink_tokens, policy, prefill, seed: see :class:`H2OConfig`.
         compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU),
             ``"auto"`` does so on CUDA only (on CPU the compile time rarely pays for short runs); a
-            torch.compile mode (``"default"``, ``"reduce-overhead"``, ...) compiles with that mode.
+            torch.compile mode (``"default"``, ``"reduce-overhead"``, ...) compiles with that mode. On CPU
+            ``"max-autotune"`` also freezes the weights (see :func:`compile_step`): the fastest CPU decode,
+            after a longer first compile.
     """
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
                        prefill=prefill, seed=seed)

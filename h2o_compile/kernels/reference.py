@@ -212,13 +212,15 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
     b, hq, _, d = q.shape
     hkv = key_cache.shape[1]
     qg = q.reshape(b, hkv, hq // hkv, d).float()                                 # [B, Hkv, G, D]
-    cached = torch.matmul(qg, key_cache.float().transpose(2, 3)) * scale        # [B, Hkv, G, C]
-    own = (qg * k.float()).sum(-1, keepdim=True) * scale                        # [B, Hkv, G, 1]
-    visible = torch.cat([pos_cache >= 0, torch.ones_like(pos_cache[..., :1], dtype=torch.bool)], dim=-1)
-    logits = torch.cat([cached, own], dim=-1).masked_fill(~visible[:, :, None, :], torch.finfo(torch.float32).min)
-    probs = torch.softmax(logits, dim=-1) * valid.view(b, 1, 1, 1)               # [B, Hkv, G, C+1]
+    cached = torch.matmul(qg, key_cache.float().transpose(2, 3)).mul_(scale)   # [B, Hkv, G, C]
+    cached.masked_fill_((pos_cache < 0)[:, :, None, :], torch.finfo(torch.float32).min)
+    own = (qg * k.float()).sum(-1, keepdim=True) * scale                        # [B, Hkv, G, 1], always visible
+    probs = torch.softmax(torch.cat([cached, own], dim=-1), dim=-1)              # [B, Hkv, G, C+1]
     out = torch.matmul(probs[..., :-1], value_cache.float()) + probs[..., -1:] * v.float().reshape(b, hkv, 1, -1)
-    mass = probs.sum(dim=2)                                                      # [B, Hkv, C+1]
+    # A padding token (valid False) attends nowhere: zero output, zero mass (x 1 leaves the others exact).
+    keep = valid.view(b, 1, 1).float()
+    mass = probs.sum(dim=2) * keep                                               # [B, Hkv, C+1]
+    out = out * keep[..., None]
     return out.reshape(b, hq, 1, -1).to(q.dtype), mass[..., :-1], mass[..., -1:]
 
 
@@ -233,30 +235,47 @@ def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optio
 
     Args: as :func:`h2o_attention` with T = 1. Returns out [B, Hq, 1, Dv]; ``state`` is updated in place.
     """
-    key_cache, value_cache, score_cache, pos_cache = state
     valid, new_pos, newest = _block_inputs(k, positions, valid)                 # new_pos [B, Hkv, 1]
     out, mass_cache, mass_new = attend_decode(q, k, v, valid, state, scale)
-    scores = score_cache + mass_cache                                            # [B, Hkv, C]
+    evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent, sinks=sinks,
+                     policy=policy, seed=seed)
+    return out
 
+
+def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, newest: Tensor, valid: Tensor,
+                     mass_cache: Tensor, mass_new: Tensor, *, recent: int, sinks: int, policy: str,
+                     seed: int = 0) -> None:
+    """The decode step after attention: add the step's mass to the scores, pick the slot to overwrite and write
+    the new token there. Only elementwise ops, reductions and indexing, so that a compiler can fuse it all
+    (the compiled CPU decode step runs this as one generated loop nest per layer).
+
+    Args:
+        k: [B, Hkv, 1, D]; v: [B, Hkv, 1, Dv]; new_pos: [B, Hkv, 1] int64 (-1 for padding); newest: [B, 1, 1];
+        valid: [B, 1] bool; mass_cache: [B, Hkv, C] and mass_new: [B, Hkv, 1] fp32, from :func:`attend_decode`.
+    """
+    key_cache, value_cache, score_cache, pos_cache = state
+    scores = score_cache + mass_cache                                            # [B, Hkv, C]
     priority = eviction_priority(policy, scores, pos_cache, newest, recent, sinks, seed)
     lowest = priority == priority.amin(dim=-1, keepdim=True)
     tie_pos = torch.where(lowest, pos_cache, torch.full_like(pos_cache, torch.iinfo(torch.int64).max))
-    slot = tie_pos.argmin(dim=-1, keepdim=True)                                 # [B, Hkv, 1]
-    # A padding token (valid False) leaves the cache as it was.
-    write = valid[:, None, :]                                                   # [B, 1, 1]
+    slot = tie_pos.argmin(dim=-1)                                                # [B, Hkv]
+    b, hkv = slot.shape
+    rows = torch.arange(b, device=slot.device)[:, None]
+    heads = torch.arange(hkv, device=slot.device)[None, :]
+    write = valid.view(b, 1)                                                     # padding leaves the cache as is
 
     def put(buf: Tensor, new: Tensor) -> None:
-        idx = slot if buf.dim() == 3 else slot[..., None].expand(-1, -1, -1, buf.shape[-1])
-        old = buf.gather(2, idx)
-        mask = write if buf.dim() == 3 else write[..., None]
-        buf.scatter_(2, idx, torch.where(mask, new.to(buf.dtype), old))
+        # Indexed reads/writes of one entry per (row, head): a compiler keeps them in place (a scatter over a
+        # gathered index would make Inductor copy the whole cache).
+        old = buf[rows, heads, slot]                                             # [B, Hkv] or [B, Hkv, D]
+        mask = write if old.dim() == 2 else write[..., None]
+        buf.index_put_((rows, heads, slot), torch.where(mask, new.reshape(old.shape).to(buf.dtype), old))
 
     score_cache.copy_(scores)
     put(key_cache, k)
     put(value_cache, v)
     put(score_cache, mass_new)
     put(pos_cache, new_pos)
-    return out
 
 
 def h2o_attention_(q, k, v, positions, valid, state: H2OState, *, scale, recent, sinks, policy, seed=0):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule
 
-from .. import ops  # noqa: F401  (registers torch.ops.h2o)
+from .. import ops  # registers torch.ops.h2o
 from .attention_sites import AttentionSite
 
 STATE_FIELDS = ("key", "value", "score", "position")
@@ -100,6 +100,24 @@ def set_h2o_params(gm: GraphModule, *, recent: int, sinks: int, policy: str, see
     if changed:
         gm.recompile()
     return changed
+
+
+def fuse_decode_bookkeeping(gm: GraphModule) -> GraphModule:
+    """A copy of an in-place graph, sharing its weights, whose ``h2o.attention_`` nodes call
+    ``ops.decode_fusable_`` instead: the attention stays an opaque op, the eviction bookkeeping becomes plain
+    torch ops that torch.compile fuses. Only for the one-token decode step, compiled (see H2OModel)."""
+    graph = torch.fx.Graph()
+    output = graph.graph_copy(gm.graph, {})
+    graph.output(output)
+    fused = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _INPLACE:
+            node.target = ops.decode_fusable_
+            fused += 1
+    if fused == 0:
+        raise ValueError("fuse_decode_bookkeeping: the graph has no in-place h2o.attention_ node")
+    graph.lint()
+    return GraphModule(gm, graph)
 
 
 def count_h2o_ops(gm: GraphModule) -> int:

@@ -143,15 +143,17 @@ def test_many_compiled_models_in_one_process_do_not_share_a_recompile_limit(llam
             assert opt.kept_positions(0).ge(0).sum(-1).eq(budget).all()
 
 
-def test_compile_mode_string_is_passed_to_torch_compile(llama):
-    """compile="reduce-overhead" (CUDA graphs on GPU; on CPU Inductor skips the graphs) decodes like eager."""
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compile_modes_decode_like_eager(llama, mode):
+    """A torch.compile mode string: "reduce-overhead" (CUDA graphs on GPU; on CPU Inductor skips them) and
+    "max-autotune" (on CPU with frozen, prepacked weights) decode like eager."""
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))
     logits = {}
-    for mode in (False, "reduce-overhead"):
-        opt = h2o_compile.optimize(llama, budget=5, compile=mode)
+    for compile in (False, mode):
+        opt = h2o_compile.optimize(llama, budget=5, compile=compile)
         opt.reset(2, 9)
         opt.step(ids[:, :6])
-        logits[mode] = [opt.step(ids[:, i:i + 1]) for i in range(6, 9)]
-        assert (opt._compiled != {}) == bool(mode)
-    for eager, compiled in zip(logits[False], logits["reduce-overhead"]):
+        logits[compile] = [opt.step(ids[:, i:i + 1]) for i in range(6, 9)]
+        assert (opt._compiled != {}) == bool(compile)
+    for eager, compiled in zip(logits[False], logits[mode]):
         torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,74 @@
+"""The compiled CPU decode step: h2o.attention_ nodes retargeted to ops.decode_fusable_ (opaque attention +
+plain-torch bookkeeping that Inductor fuses) must keep exactly the slots the reference op keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import h2o_compile
+from h2o_compile import ops
+from h2o_compile.kernels import reference
+from h2o_compile.passes import count_h2o_ops, fuse_decode_bookkeeping, state_names
+
+from .arch_configs import VOCAB, build
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build("llama", seed=11)
+
+
+def test_fused_graph_retargets_every_layer_and_shares_the_weights(llama):
+    opt = h2o_compile.optimize(llama, budget=5, compile=False)
+    fused = fuse_decode_bookkeeping(opt.graph)
+    targets = [n.target for n in fused.graph.nodes if n.op == "call_function"]
+    assert targets.count(ops.decode_fusable_) == len(opt.layers) == 2
+    assert count_h2o_ops(fused) == 0 and count_h2o_ops(opt.graph) == 2  # the original graph is untouched
+    assert {id(p) for p in fused.parameters()} == {id(p) for p in opt.graph.parameters()}
+    with pytest.raises(ValueError, match="no in-place"):
+        fuse_decode_bookkeeping(fused)
+
+
+@pytest.mark.parametrize("batch,policy,sinks",
+                         [(1, "h2o", 0), (3, "h2o", 1), (3, "random", 0), (2, "local", 0), (2, "sink", 2)])
+def test_compiled_fused_decode_keeps_the_same_slots_as_the_op(llama, batch, policy, sinks):
+    """Left-padded rows, a cache of 5 slots and 10 decode steps: eviction every step, padding rows included."""
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.randint(1, VOCAB, (batch, 16), generator=gen)
+    mask = torch.ones(batch, 6, dtype=torch.long)
+    mask[1:, :2] = 0  # rows after the first start two tokens later
+    eager = h2o_compile.optimize(llama, budget=5, policy=policy, sink_tokens=sinks, compile=False)
+    fused = h2o_compile.optimize(llama, budget=5, policy=policy, sink_tokens=sinks, compile=True)
+    for opt in (eager, fused):
+        opt.reset(batch, 16)
+        opt.step(ids[:, :6], mask)
+    for i in range(6, 16):
+        torch.testing.assert_close(fused.step(ids[:, i:i + 1]), eager.step(ids[:, i:i + 1]), rtol=1e-4, atol=1e-4)
+    assert fused._compiled, "the decode step was not compiled"
+    for layer in range(2):
+        assert torch.equal(fused.kept_positions(layer), eager.kept_positions(layer))
+        score = state_names(layer)[2]
+        torch.testing.assert_close(getattr(fused, score), getattr(eager, score), rtol=1e-5, atol=1e-6)
+
+
+def test_decode_fusable_equals_the_op_on_a_padding_step():
+    """One row valid, one padding: the padding row's cache must stay as it was (eagerly, no compiler)."""
+    torch.manual_seed(0)
+    b, hq, hkv, cap, d = 2, 4, 2, 6, 8
+    states = [reference.empty_state(b, hkv, cap, d) for _ in range(2)]
+    for s in states:
+        s.key_cache.copy_(torch.randn(b, hkv, cap, d, generator=torch.Generator().manual_seed(1)))
+        s.pos_cache.copy_(torch.arange(cap).expand(b, hkv, cap))
+        s.score_cache.copy_(torch.rand(b, hkv, cap, generator=torch.Generator().manual_seed(2)))
+    q, k, v = torch.randn(b, hq, 1, d), torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, d)
+    pos, valid = torch.full((b, 1), cap, dtype=torch.long), torch.tensor([[True], [False]])
+    args = (2, 0, "h2o", 0)
+    out_op = torch.ops.h2o.attention_(q, k, v, pos, valid, *states[0], 0.5, *args)
+    out_fused = ops.decode_fusable_(q, k, v, pos, valid, *states[1], 0.5, *args)
+    torch.testing.assert_close(out_fused, out_op)
+    for a, c in zip(*states):
+        assert torch.equal(a, c)
+    with pytest.raises(ValueError, match="T = 1"):
+        ops.decode_fusable_(q.expand(b, hq, 2, d), k.expand(b, hkv, 2, d), v.expand(b, hkv, 2, d),
+                            pos.expand(b, 2), None, *states[1], 0.5, *args)
