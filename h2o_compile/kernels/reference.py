@@ -84,9 +84,17 @@ def eviction_priority(
     return torch.where(pos < 0, torch.full_like(key, float("-inf")), key)
 
 
+_LOGITS_PER_CHUNK = 1 << 22  # fp32 logits held at once by `attend` (16 MiB): query chunks stay in cache
+
+
 def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: Tensor,
-           query_valid: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+           query_valid: Tensor, scale: float, new_from: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """Masked attention that also returns the probability mass each key received.
+
+    Queries are processed in chunks, so the [T, S] probabilities never exist at once. With ``new_from`` (the
+    index where the block's own keys start, i.e. C), a chunk of queries ending at block index t1 reads only
+    the first C + t1 keys: the block's later tokens are in all its queries' future (positions increase along
+    a block, DESIGN.md section 2), so they would receive exactly zero probability.
 
     Args:
         q: [B, Hq, T, D]; keys: [B, Hkv, S, D]; values: [B, Hkv, S, Dv]
@@ -96,19 +104,28 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: 
         sum over valid queries t and query heads g of the group of P_{t,g}(key).
     """
     b, hq, t, d = q.shape
-    hkv = keys.shape[1]
+    hkv, s_all = keys.shape[1], keys.shape[2]
     group = hq // hkv
     qg = q.reshape(b, hkv, group, t, d).float()                                  # [B, Hkv, G, T, D]
-    logits = torch.einsum("bhgtd,bhsd->bhgts", qg, keys.float()) * scale        # [B, Hkv, G, T, S]
-    visible = (key_pos[:, :, None, None, :] >= 0) & (
-        key_pos[:, :, None, None, :] <= query_pos[:, None, None, :, None]
-    )                                                                            # [B, Hkv, 1, T, S]
-    visible = visible & query_valid[:, None, None, :, None]
-    # A row with nothing visible (a padding query) must not produce NaN: softmax over a finite floor, then zero.
-    logits = logits.masked_fill(~visible, torch.finfo(torch.float32).min)
-    probs = torch.softmax(logits, dim=-1) * visible                              # [B, Hkv, G, T, S]
-    out = torch.einsum("bhgts,bhsd->bhgtd", probs, values.float())
-    mass = probs.sum(dim=(2, 3))                                                 # [B, Hkv, S]
+    keys, values = keys.float(), values.float()
+    chunk = max(1, _LOGITS_PER_CHUNK // (b * hq * s_all))
+    mass = keys.new_zeros(b, hkv, s_all)
+    outs = []
+    for t0 in range(0, t, chunk):
+        t1 = min(t, t0 + chunk)
+        s = s_all if new_from is None else min(s_all, new_from + t1)
+        kpos = key_pos[:, :, None, None, :s]                                     # [B, Hkv, 1, 1, s]
+        hidden = (kpos < 0) | (kpos > query_pos[:, None, None, t0:t1, None]) | ~query_valid[:, None, None, t0:t1, None]
+        q_chunk = qg[:, :, :, t0:t1].reshape(b, hkv, group * (t1 - t0), d)      # [B, Hkv, G*tc, D]
+        logits = torch.matmul(q_chunk, keys[:, :, :s].transpose(2, 3)).mul_(scale)
+        logits = logits.view(b, hkv, group, t1 - t0, s)                          # [B, Hkv, G, tc, s]
+        # A row with nothing visible (a padding query) must not produce NaN: softmax over a finite floor, then zero.
+        probs = torch.softmax(logits.masked_fill_(hidden, torch.finfo(torch.float32).min), dim=-1)
+        probs.masked_fill_(hidden, 0.0)
+        outs.append(torch.matmul(probs.view(b, hkv, group * (t1 - t0), s), values[:, :, :s])
+                    .view(b, hkv, group, t1 - t0, -1))
+        mass[..., :s] += probs.sum(dim=(2, 3))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)                  # [B, Hkv, G, T, Dv]
     return out.reshape(b, hq, t, values.shape[-1]).to(q.dtype), mass
 
 
@@ -132,8 +149,8 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
         valid: [B, T] bool or None; False marks a padding token, which is never attended nor cached.
         state: the layer's cache (C slots).
     Returns:
-        out [B, Hq, T, Dv] and the new state. The block attends over C + T keys, so temporary memory grows
-        with T: a whole prompt (prefill "full") materialises [B, Hq, T, C + T] probabilities.
+        out [B, Hq, T, Dv] and the new state. The block attends over C + T keys; ``attend`` takes the queries
+        in chunks, so a whole prompt (prefill "full") never holds all [B, Hq, T, C + T] probabilities.
     """
     key_cache, value_cache, score_cache, pos_cache = state
     cap = pos_cache.shape[-1]
@@ -141,7 +158,7 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
     all_keys = torch.cat([key_cache, k.to(key_cache.dtype)], dim=2)             # [B, Hkv, C+T, D]
     all_values = torch.cat([value_cache, v.to(value_cache.dtype)], dim=2)
     all_pos = torch.cat([pos_cache, new_pos], dim=2)                            # [B, Hkv, C+T]
-    out, mass = attend(q, all_keys, all_values, all_pos, positions, valid, scale)
+    out, mass = attend(q, all_keys, all_values, all_pos, positions, valid, scale, new_from=cap)
     all_scores = torch.cat([score_cache, torch.zeros_like(new_pos, dtype=torch.float32)], dim=2) + mass
     new_state = compress(H2OState(all_keys, all_values, all_scores, all_pos), newest, cap, recent=recent,
                          sinks=sinks, policy=policy, seed=seed)

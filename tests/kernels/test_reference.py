@@ -153,6 +153,14 @@ def test_left_padded_row_equals_unpadded(policy):
         assert kept_sets(padded)[0] == kept_sets(alone)[0]
 
 
+@pytest.mark.parametrize("policy", ["h2o", "random"])
+def test_one_query_per_chunk_matches_bruteforce_simulation(monkeypatch, policy):
+    """attend() in query chunks (here one query each, reading only the keys up to it) is the same attention."""
+    monkeypatch.setattr(reference, "_LOGITS_PER_CHUNK", 1)
+    test_matches_bruteforce_simulation(3, 8, 2, 16, policy, 2, True)
+    test_left_padded_row_equals_unpadded(policy)
+
+
 def test_decode_fast_path_equals_general_path():
     """T = 1 in place (slot write) and functional (rebuild) give the same slots, not just the same sets."""
     b, hq, hkv, d, cap = 3, 8, 2, 16, 4
