@@ -27,10 +27,14 @@ How it was measured (all contenders in one process, the same token ids and posit
   repeat times one block per contender, the contender order reversed on every other repeat; between blocks
   the cache is rewound to `context` tokens (transformers: `crop`; H2O: scores, positions and counters restored).
   p50/p95 pool all timed steps; tokens/s is the median over blocks of batch x steps / block time.
+- **Compilation**: every compiled contender (transformers' StaticCache forward and each H2OModel decode step)
+  gets the same torch.compile settings (`compile=` in Settings: `True` = the default mode; `max-autotune` on
+  CPU also freezes the weights so that Inductor prepacks them for its GEMM templates, for both alike).
 - **Prefill**: a real forward over a random prompt of `context` tokens at batch 1 into a fresh cache,
   eager for every contender (transformers' generate compiles only the decode step too), for the contenders
   listed in the settings (H2O's prefill cost hardly depends on the budget: it attends over C + T keys).
-  H2O prefill is the whole prompt as one block (`prefill="full"`), then compressed to C.
+  H2O prefill is the whole prompt as one block (`prefill="full"`; the reference op attends in query chunks, each
+  reading only the keys up to it), then compressed to C.
 - **Memory**: `cache` = bytes of the cache tensors from their sizes (H2O: keys, values, fp32 scores, int64
   positions; StaticCache: its preallocated `total`-token buffer; DynamicCache: keys and values of the `total`
   tokens it holds after the last step). `transient` = the largest rise of the process RSS above its resident
