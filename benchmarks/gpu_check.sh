@@ -10,9 +10,10 @@
 #   bash benchmarks/gpu_check.sh               # PYTHON=... to pick the interpreter, TEST_TIMEOUT=... seconds
 #   STAGES="decode" bash benchmarks/gpu_check.sh   # a subset of: tests micro decode (default all three)
 #
-# All three stages together can pass a 10-minute command limit (tests up to TEST_TIMEOUT=360 s, the kernel
-# benchmark ~1-2 min, the decode benchmark up to DECODE_TIMEOUT=420 s, mostly compiling): on such a machine run
-# STAGES="tests micro" and STAGES="decode" as two commands. decode_cuda.* is rewritten after each of its parts.
+# On a lent machine with a 10-minute command limit and ~15 minutes of device time, run two commands:
+#   STAGES="decode" (the whole-model benchmark, DECODE_TIMEOUT=420 s, mostly compiling) and then
+#   STAGES="tests micro" (TEST_TIMEOUT=240 s + MICRO_TIMEOUT=120 s). decode_cuda.* is rewritten after each
+# of its two parts, so a timeout keeps the part that finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./out}"
@@ -21,8 +22,9 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET H2O_COMPILE_BACKEND  # compiled kernels; the op chooses Triton for CUDA tensors itself
 
-{ "$PY" -c 'import sys, torch, triton; print(sys.version.split()[0], "torch", torch.__version__, "triton",
-triton.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU")'
+{ "$PY" -c 'import sys, torch, triton, transformers; print(sys.version.split()[0], "torch", torch.__version__,
+"triton", triton.__version__, "transformers", transformers.__version__, "cuda", torch.version.cuda,
+torch.cuda.get_device_name() if torch.cuda.is_available() else "NO GPU")'
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 || true
 } | tee "$OUT/env.txt"
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
@@ -36,12 +38,12 @@ if [[ " $STAGES " == *" tests "* ]]; then
   # Kernel compilation dominates the test time: spread it over processes when pytest-xdist is there.
   XDIST=()
   if "$PY" -c 'import xdist' 2>/dev/null; then XDIST=(-n 4); fi
-  timeout "${TEST_TIMEOUT:-360}" "$PY" -m pytest tests/kernels -q -p no:cacheprovider -rs --durations=15 \
+  timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest tests/kernels -q -p no:cacheprovider -rs --durations=15 \
     "${XDIST[@]}" --junitxml="$OUT/pytest.xml" 2>&1 | tee "$OUT/pytest.log"
   tests=${PIPESTATUS[0]}
 fi
 if [[ " $STAGES " == *" micro "* ]]; then
-  "$PY" benchmarks/decode_kernel_micro.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+  timeout "${MICRO_TIMEOUT:-120}" "$PY" benchmarks/decode_kernel_micro.py --out "$OUT" 2>&1 | tee "$OUT/bench.log"
   bench=${PIPESTATUS[0]}
 fi
 if [[ " $STAGES " == *" decode "* ]]; then

@@ -19,6 +19,7 @@ writing its state buffers in place, with positions and scores set as a real run 
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 
@@ -38,16 +39,16 @@ def kv_geometry(model: nn.Module) -> tuple[int, int, int]:
 
 def synthetic_kv(layer: int, batch: int, kv_heads: int, context: int, head_dim: int, value_dim: int,
                  dtype: torch.dtype, seed: int, device=None) -> tuple[Tensor, Tensor]:
-    """Random keys [B, Hkv, context, D] and values [B, Hkv, context, Dv]; the same for every contender (drawn
-    on the CPU, so every device gets the same numbers)."""
-    gen = torch.Generator().manual_seed(seed * 100_003 + layer)
-    keys = torch.randn(batch, kv_heads, context, head_dim, generator=gen).to(device=device, dtype=dtype)
-    values = torch.randn(batch, kv_heads, context, value_dim, generator=gen).to(device=device, dtype=dtype)
+    """Random keys [B, Hkv, context, D] and values [B, Hkv, context, Dv]; the same for every contender. Drawn on
+    ``device`` with its own generator: a GPU run fills large batches in milliseconds, not minutes."""
+    gen = torch.Generator(device=device or "cpu").manual_seed(seed * 100_003 + layer)
+    keys = torch.randn(batch, kv_heads, context, head_dim, generator=gen, device=device).to(dtype)
+    values = torch.randn(batch, kv_heads, context, value_dim, generator=gen, device=device).to(dtype)
     return keys, values
 
 
 def synthetic_positions(policy: str, capacity: int, recent: int, context: int, batch: int, kv_heads: int,
-                        seed: int) -> Tensor:
+                        seed: int, device=None) -> Tensor:
     """Positions [B, Hkv, n] (n = min(C, context), sorted) a cache of C slots holds after ``context`` tokens.
 
     ``h2o``: the recent window plus C - R heavy hitters drawn at random from the older tokens (which ones
@@ -55,14 +56,15 @@ def synthetic_positions(policy: str, capacity: int, recent: int, context: int, b
     """
     n = min(capacity, context)
     if n == context:
-        return torch.arange(context).expand(batch, kv_heads, context).clone()
+        return torch.arange(context, device=device).expand(batch, kv_heads, context).clone()
     if policy == "h2o":
-        gen = torch.Generator().manual_seed(seed + 7)
+        gen = torch.Generator(device=device or "cpu").manual_seed(seed + 7)
         older = context - recent
-        heavy = torch.rand(batch, kv_heads, older, generator=gen).argsort(-1)[..., :n - recent].sort(-1).values
-        newest = torch.arange(older, context).expand(batch, kv_heads, recent)
+        draws = torch.rand(batch, kv_heads, older, generator=gen, device=device)
+        heavy = draws.argsort(-1)[..., :n - recent].sort(-1).values
+        newest = torch.arange(older, context, device=device).expand(batch, kv_heads, recent)
         return torch.cat([heavy, newest], dim=-1)
-    return torch.arange(context - n, context).expand(batch, kv_heads, n).clone()
+    return torch.arange(context - n, context, device=device).expand(batch, kv_heads, n).clone()
 
 
 class HFContender:
@@ -92,6 +94,9 @@ class HFContender:
         self.prefill_supported = window is None
         self.cache = None
         self._fn = None
+        # transformers renamed forward's past_key_values to cache (5.24); pass whichever this version takes.
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._offset = 0  # harness positions - cache positions (nonzero for a window)
 
     def _new_cache(self, total: int):
@@ -127,21 +132,30 @@ class HFContender:
 
     def restore(self) -> None:
         extra = int(self.cache.get_seq_length()) - self.context
-        if extra > 0:
+        if extra <= 0:
+            return
+        try:
             self.cache.crop(-extra)  # static: rewinds the write index; dynamic: drops the appended tokens
+        except AttributeError:
+            # Older transformers (< 5.24) have no StaticLayer.crop: rewind the write index it keeps itself.
+            for layer in self.cache.layers:
+                if not hasattr(layer, "cumulative_length"):
+                    raise
+                layer.cumulative_length.sub_(extra)
 
     @torch.no_grad()
     def step(self, tokens: Tensor, position: int) -> Tensor:
         tokens = tokens.to(self.model.device)
         pos = torch.full_like(tokens, position - self._offset)                  # [B, 1]
-        return self._fn(input_ids=tokens, position_ids=pos, cache=self.cache, use_cache=True).logits[:, -1]
+        kwargs = {self._cache_arg: self.cache}
+        return self._fn(input_ids=tokens, position_ids=pos, use_cache=True, **kwargs).logits[:, -1]
 
     @torch.no_grad()
     def prefill(self, prompt: Tensor, total: int) -> float:
         cache = self._new_cache(total)
         prompt = prompt.to(self.model.device)
         start = time.perf_counter()
-        logits = self.model(input_ids=prompt, cache=cache, use_cache=True).logits
+        logits = self.model(input_ids=prompt, use_cache=True, **{self._cache_arg: cache}).logits
         _synchronize(logits)
         return time.perf_counter() - start
 
@@ -194,14 +208,15 @@ class H2OContender:
             key, value, score, pos = self._layer_state(i)
             keys, values = synthetic_kv(i, batch, spec.kv_heads, context, spec.head_dim, spec.value_dim,
                                         spec.dtype, seed, key.device)
-            kept = synthetic_positions(self.policy, cap, recent, context, batch, spec.kv_heads, seed + i).to(key.device)
+            kept = synthetic_positions(self.policy, cap, recent, context, batch, spec.kv_heads, seed + i, key.device)
             n = kept.shape[-1]
             key[:, :, :n] = keys.gather(2, kept[..., None].expand(-1, -1, -1, spec.head_dim))
             value[:, :, :n] = values.gather(2, kept[..., None].expand(-1, -1, -1, spec.value_dim))
             pos[:, :, :n] = kept
-            gen = torch.Generator().manual_seed(seed + 1000 + i)
-            score[:, :, :n] = torch.rand(batch, spec.kv_heads, n, generator=gen) * 4.0  # accumulated mass
-            self._snapshot.append((score.clone(), pos.clone()))
+            gen = torch.Generator(device=key.device).manual_seed(seed + 1000 + i)
+            score[:, :, :n] = torch.rand(batch, spec.kv_heads, n, generator=gen, device=key.device) * 4.0
+            # Kept off the device: a GPU memory measurement must not count the benchmark's own snapshot.
+            self._snapshot.append((score.to("cpu", copy=True), pos.to("cpu", copy=True)))
         h.seen.fill_(context)
         h._fed = context  # the counters step() keeps; the state now holds `context` tokens
         self.batch, self.total, self.context, self.capacity = batch, total, context, cap

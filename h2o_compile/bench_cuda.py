@@ -91,7 +91,9 @@ def find_max_batch(need_bytes, cap_bytes: int, probe_batches, max_batch: int, re
 
 
 def measure_need(contender, batch: int, model: nn.Module, weight_bytes: int, s: CudaBenchSettings) -> int:
-    """Weights + the peak memory the contender adds over prepare and ``warmup`` decode steps at ``batch``."""
+    """Weights + what the contender holds after its cache is filled + the peak it adds over ``warmup`` decode
+    steps at ``batch``. The synthetic fill's own temporaries (full-context random keys) are left out: a real
+    prefill would not create them."""
     device = torch.device(s.device)
     context = s.total - s.warmup
     tokens = torch.randint(0, model.config.vocab_size, (batch, s.warmup),
@@ -101,6 +103,7 @@ def measure_need(contender, batch: int, model: nn.Module, weight_bytes: int, s: 
         torch.cuda.empty_cache()
     base = reset_peak_memory(device)
     contender.prepare(batch, s.total, context, s.seed)
+    reset_peak_memory(device)  # the peak window starts with the filled cache allocated
     for i in range(s.warmup):
         contender.step(tokens[:, i:i + 1], context + i)
     peak = peak_memory_kib(device)

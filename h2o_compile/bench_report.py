@@ -216,7 +216,7 @@ def cuda_markdown(result: dict, command: str) -> str:
         lines += [f"## Largest batch under {s['memory_cap_gib']:g} GiB (total {s['total']} tokens)", "",
                   markdown_table(["contender", "timed as", "cap GiB", "predicted batch", "batch", "peak GiB",
                                   "tokens/s", "p50 ms", "verified runs"], rows), "",
-                  "Peak = weights + the most memory the contender allocated over filling its cache and the warm-up "
+                  "Peak = weights + the filled cache + the most memory the contender allocated over the warm-up "
                   "steps (torch.cuda.max_memory_allocated). The batch is predicted from eager probes at batches "
                   f"{s['probe_batches']} and verified compiled with CUDA graphs.", ""]
     return "\n".join(lines) + "\n"

@@ -121,3 +121,25 @@ def test_compiled_decode_has_no_recompiles_while_timed(smoke_model):
     with torch._dynamo.config.patch(recompile_limit=64):
         rows = run_decode(contenders, smoke_model, 2, 32, settings, bandwidth=1e10, log=lambda *a: None)
     assert all(r["finite"] and r["compiles_during_timing"] == 0 for r in rows)
+
+
+def test_static_cache_without_crop_is_rewound_through_its_write_index(smoke_model):
+    """transformers < 5.24 has no StaticLayer.crop (the GPU machine's 5.17): restore() rewinds the write index
+    each layer keeps instead, so the next block starts from the filled context again."""
+    class Layer:
+        def __init__(self):
+            self.cumulative_length = torch.tensor(44)
+
+    class OldStaticCache:
+        layers = [Layer(), Layer()]
+
+        def get_seq_length(self):
+            return int(self.layers[0].cumulative_length)
+
+        def crop(self, n):
+            raise AttributeError("'StaticLayer' object has no attribute 'crop'")
+
+    c = HFContender(smoke_model, static=True, compile=False)
+    c.cache, c.context = OldStaticCache(), 40
+    c.restore()
+    assert [int(layer.cumulative_length) for layer in c.cache.layers] == [40, 40] and c.cached_tokens() == 40
