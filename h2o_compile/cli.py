@@ -250,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     gen.add_argument("--backend", choices=("torch", "onnx"), default="torch")
-    gen.add_argument("--compile", choices=("auto", "on", "off"), default="auto")
+    gen.add_argument("--compile", choices=("auto", "on", "off", "reduce-overhead", "max-autotune"), default="auto",
+                     help="decode step under torch.compile: auto = on CUDA only; or a torch.compile mode "
+                          "(max-autotune on CPU also freezes and prepacks the weights)")
     add_h2o_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -301,7 +303,7 @@ def main(argv=None) -> int:
         args.model = args.model_opt or args.model
         if not args.model:
             parser.error("generate needs a model folder (--model PATH)")
-        args.compile = {"auto": "auto", "on": True, "off": False}[args.compile]
+        args.compile = {"on": True, "off": False}.get(args.compile, args.compile)
     try:
         return args.func(args)
     except (ValueError, TypeError) as err:  # user input errors: one line, no stack trace

@@ -17,6 +17,15 @@ def test_generate_prints_text_memory_and_speed(model_dir, capsys):
     assert "tokens/s" in out
 
 
+def test_generate_with_a_compile_mode_prints_the_same_greedy_text(model_dir, capsys):
+    texts = []
+    for mode in ("off", "reduce-overhead"):
+        assert main(["generate", "--model", str(model_dir), "--budget", "0.5", "--prompt", "w1 w2 w3 w4 w5 w6",
+                     "--max-new-tokens", "6", "--compile", mode]) == 0
+        texts.append(capsys.readouterr().out.splitlines()[0])
+    assert texts[0] == texts[1] and texts[0].startswith("w1 w2 w3 w4 w5 w6 ")
+
+
 def test_bad_budget_is_one_line_error(model_dir, capsys):
     code = main(["generate", "--model", str(model_dir), "--budget", "1.5", "--prompt", "w1"])
     assert code == 2
