@@ -41,6 +41,25 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _row_token(pid_bh, POSITIONS, VALID, stride_posb, stride_validb, HKV: tl.constexpr, HAS_VALID: tl.constexpr):
+    """The program's batch row b (int64), KV head h, and the new token's position and validity flag."""
+    b = (pid_bh // HKV).to(tl.int64)  # 64-bit offsets: B x Hkv x C x D passes 2^31 at long contexts
+    h = pid_bh % HKV
+    qpos = tl.load(POSITIONS + b * stride_posb)
+    qvalid = qpos == qpos  # noqa: PLR0124  (an all-true flag with the type of a loaded one)
+    if HAS_VALID:
+        qvalid = tl.load(VALID + b * stride_validb) != 0
+    return b, h, qpos, qvalid
+
+
+@triton.jit
+def _group_offsets(G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Offsets over the query heads of a KV group, the key dims and the value dims, and the group's row mask."""
+    offs_g = tl.arange(0, BLOCK_G)
+    return offs_g, tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), offs_g < G
+
+
+@triton.jit
 def python_mod(x, m):
     """x mod m with the sign of m, like torch and Python (Triton's `%` truncates like C)."""
     r = x % m
@@ -65,17 +84,8 @@ def _decode_partial_kernel(
     tl.static_assert(BLOCK_N >= 16)
     pid_s = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // HKV).to(tl.int64)  # 64-bit offsets: B x Hkv x C x D passes 2^31 at long contexts
-    h = pid_bh % HKV
-    qpos = tl.load(POSITIONS + b * stride_posb)
-    qvalid = qpos == qpos  # noqa: PLR0124  (an all-true flag with the type of a loaded one)
-    if HAS_VALID:
-        qvalid = tl.load(VALID + b * stride_validb) != 0
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    g_mask = offs_g < G
+    b, h, qpos, qvalid = _row_token(pid_bh, POSITIONS, VALID, stride_posb, stride_validb, HKV, HAS_VALID)
+    offs_g, offs_d, offs_dv, g_mask = _group_offsets(G, BLOCK_G, BLOCK_D, BLOCK_DV)
     q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=g_mask[:, None] & (offs_d[None, :] < D), other=0.0)
     q = q.to(K_CACHE.dtype.element_ty)
@@ -162,16 +172,8 @@ def _decode_finish_kernel(
     tl.static_assert(BLOCK_G >= G)
     tl.static_assert(BLOCK_N >= 16)
     pid_bh = tl.program_id(0)
-    b = (pid_bh // HKV).to(tl.int64)
-    h = pid_bh % HKV
-    qpos = tl.load(POSITIONS + b * stride_posb)
-    qvalid = qpos == qpos  # noqa: PLR0124
-    if HAS_VALID:
-        qvalid = tl.load(VALID + b * stride_validb) != 0
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    g_mask = offs_g < G
+    b, h, qpos, qvalid = _row_token(pid_bh, POSITIONS, VALID, stride_posb, stride_validb, HKV, HAS_VALID)
+    offs_g, offs_d, offs_dv, g_mask = _group_offsets(G, BLOCK_G, BLOCK_D, BLOCK_DV)
     d_mask = offs_d < D
     dv_mask = offs_dv < DV
 
