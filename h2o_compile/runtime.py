@@ -29,9 +29,10 @@ def compile_step(fn, mode: str, device: torch.device):
     a new compile). Inductor reads ``freezing`` from its config when it compiles, which happens lazily at a
     call, so every call runs under the patch (~30 us)."""
     options = dict(torch._inductor.list_mode_options(mode))
-    if isinstance(fn, nn.Module):
+    skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.8
+    if isinstance(fn, nn.Module) and skip_module_guards is not None:
         # The graph's weights never change under a compiled step: skip re-checking every parameter per call.
-        options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        options["guard_filter_fn"] = skip_module_guards
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
     if mode != "max-autotune" or device.type == "cuda":
         return compiled
