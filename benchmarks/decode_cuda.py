@@ -35,15 +35,13 @@ def main(argv=None) -> int:
     if args.smoke:
         settings.update(model="smoke", dtype="float32", batch=2, total=64, steps=4, warmup=2, repeats=2,
                         memory_cap_gib=0.5, probe_batches=[1, 2], max_batch=8)
-    result = None
-    for part in args.parts.split(","):  # the report is rewritten after each part: a timeout keeps what finished
-        done = run_cuda_bench(CudaBenchSettings(**settings), parts=(part,))
-        if result is None:
-            result = done
-        else:
-            result[part] = done[part]
-            result["elapsed_s"] += done["elapsed_s"]
-        paths = write_cuda_report(result, args.out, "python benchmarks/" + command_line())
+    command = "python benchmarks/" + command_line()
+
+    def write(result):  # after each part: a timeout keeps what finished
+        return write_cuda_report(result, args.out, command)
+
+    result = run_cuda_bench(CudaBenchSettings(**settings), parts=tuple(args.parts.split(",")), after_part=write)
+    paths = write(result)
     print(paths["markdown"].read_text())
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0

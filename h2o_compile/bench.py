@@ -29,9 +29,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .bench_contenders import _synchronize, build_contenders
+from .bench_contenders import build_contenders
 from .bench_machine import (apply_roofline, cpu_ticks, foreign_cores, measure_bandwidth, peak_memory_kib,
-                            reset_peak_memory, roofline_seconds, summarize_bandwidth, weight_bytes_per_step)
+                            reset_peak_memory, roofline_seconds, summarize_bandwidth, synchronize,
+                            weight_bytes_per_step)
 from .bench_machine import wait_for_quiet as _wait
 
 __all__ = ["BenchSettings", "build_model", "headline", "roofline_seconds", "run_bench", "run_decode",
@@ -124,7 +125,8 @@ def _timed_block(contender, tokens, context: int) -> tuple[list, torch.Tensor]:
     for i in range(tokens.shape[1]):
         start = time.perf_counter()
         logits = contender.step(tokens[:, i:i + 1], context + i)
-        _synchronize(logits.argmax(-1))  # what a greedy generate does next; the same for everyone
+        logits.argmax(-1)  # what a greedy generate does next; the same for everyone
+        synchronize(logits.device)
         times.append(time.perf_counter() - start)
     return times, logits
 

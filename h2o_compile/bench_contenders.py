@@ -26,6 +26,7 @@ import time
 import torch
 from torch import Tensor, nn
 
+from .bench_machine import synchronize
 from .passes import state_names
 
 
@@ -156,7 +157,7 @@ class HFContender:
         prompt = prompt.to(self.model.device)
         start = time.perf_counter()
         logits = self.model(input_ids=prompt, use_cache=True, **{self._cache_arg: cache}).logits
-        _synchronize(logits)
+        synchronize(logits.device)
         return time.perf_counter() - start
 
     def cache_bytes(self) -> int:
@@ -241,7 +242,7 @@ class H2OContender:
     def prefill(self, prompt: Tensor, total: int) -> float:
         self.h2o.reset(prompt.shape[0], total)
         start = time.perf_counter()
-        _synchronize(self.h2o.step(prompt))
+        synchronize(self.h2o.step(prompt).device)
         return time.perf_counter() - start
 
     def cache_bytes(self) -> int:
@@ -256,12 +257,6 @@ class H2OContender:
         for i in range(len(self.h2o.layers)):
             for name in state_names(i):
                 setattr(self.h2o, name, torch.empty(0))
-
-
-def _synchronize(t: Tensor) -> None:
-    """Wait for the device: a CUDA step returns before its kernels finish."""
-    if t.is_cuda:
-        torch.cuda.synchronize(t.device)
 
 
 def build_contenders(model: nn.Module, budgets, local_budget: float, compile: bool = True,

@@ -28,7 +28,7 @@ from torch import nn
 
 from .bench import BenchSettings, build_model, run_decode
 from .bench_contenders import H2OContender, HFContender
-from .bench_machine import measure_bandwidth, peak_memory_kib, reset_peak_memory
+from .bench_machine import measure_bandwidth, parameter_bytes, peak_memory_kib, reset_peak_memory
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -126,7 +126,7 @@ def _pairs(model: nn.Module, s: CudaBenchSettings):
 def run_memory_cap(model: nn.Module, s: CudaBenchSettings, bandwidth: float, log=print) -> list[dict]:
     """Per contender: the largest batch under the cap and the decode throughput it reaches there."""
     cap = int(s.memory_cap_gib * 2**30)
-    weights = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    weights = parameter_bytes(model)
     rows = []
     for name, make_probe, make_timed in _pairs(model, s):
         probe, timed = make_probe(), make_timed()
@@ -166,10 +166,16 @@ def run_graphs(model: nn.Module, s: CudaBenchSettings, bandwidth: float, log=pri
     return rows
 
 
-def run_cuda_bench(s: CudaBenchSettings, parts=("graphs", "memory_cap"), log=print) -> dict:
-    """Both measurements on ``s.device``; a JSON-ready dict (see bench_cuda_report)."""
+def run_cuda_bench(s: CudaBenchSettings, parts=("graphs", "memory_cap"), log=print, after_part=None) -> dict:
+    """Both measurements on ``s.device``; a JSON-ready dict (see bench_report.cuda_markdown). ``after_part``
+    is called with the result so far after each part (a caller can write it, so a timeout keeps that part)."""
     from .report import machine_description
 
+    runs = {"graphs": (run_graphs, f"CUDA graphs on/off, batch {s.batch}, total {s.total}"),
+            "memory_cap": (run_memory_cap, f"largest batch under {s.memory_cap_gib:g} GiB")}
+    unknown = [p for p in parts if p not in runs]
+    if unknown:
+        raise ValueError(f"parts={list(parts)}: unknown {unknown}; choose from {', '.join(runs)}")
     device = torch.device(s.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' requested but torch.cuda.is_available() is False")
@@ -179,11 +185,12 @@ def run_cuda_bench(s: CudaBenchSettings, parts=("graphs", "memory_cap"), log=pri
     model = build_model(s.model, s.seed).to(device=device, dtype=DTYPES[s.dtype])
     result = dict(settings=asdict(s), machine=machine_description(), bandwidth=bw, graphs=[], memory_cap=[])
     with torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
-        if "graphs" in parts:
-            log(f"[{time.perf_counter() - begin:5.0f} s] CUDA graphs on/off, batch {s.batch}, total {s.total}")
-            result["graphs"] = run_graphs(model, s, bw["copy_gb_s"] * 1e9, log)
-        if "memory_cap" in parts:
-            log(f"[{time.perf_counter() - begin:5.0f} s] largest batch under {s.memory_cap_gib:g} GiB")
-            result["memory_cap"] = run_memory_cap(model, s, bw["copy_gb_s"] * 1e9, log)
+        for part in parts:
+            run, what = runs[part]
+            log(f"[{time.perf_counter() - begin:5.0f} s] {what}")
+            result[part] = run(model, s, bw["copy_gb_s"] * 1e9, log)
+            result["elapsed_s"] = time.perf_counter() - begin
+            if after_part is not None:
+                after_part(result)
     result["elapsed_s"] = time.perf_counter() - begin
     return result

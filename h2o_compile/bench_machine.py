@@ -36,10 +36,16 @@ def peak_rss_kib() -> int | None:
     return _status_kib("VmHWM")
 
 
-def reset_peak_memory(device: torch.device) -> int | None:
-    """Start a peak-memory window; returns the memory in use now in KiB (CUDA: allocated by torch; CPU: RSS)."""
+def synchronize(device: torch.device) -> None:
+    """Wait for the device: CUDA work returns before its kernels finish (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def reset_peak_memory(device: torch.device) -> int | None:
+    """Start a peak-memory window; returns the memory in use now in KiB (CUDA: allocated by torch; CPU: RSS)."""
+    synchronize(device)
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device) // 1024
     return reset_peak_rss()
@@ -47,8 +53,8 @@ def reset_peak_memory(device: torch.device) -> int | None:
 
 def peak_memory_kib(device: torch.device) -> int | None:
     """The peak since ``reset_peak_memory``, in KiB, measured the same way."""
+    synchronize(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) // 1024
     return peak_rss_kib()
 
@@ -92,7 +98,6 @@ def wait_for_quiet(max_wait_s: float, quiet_cores: float, log=print) -> float:
 def measure_bandwidth(mib: int = 512, repeats: int = 5, device: torch.device | str = "cpu") -> dict:
     """Best-of-``repeats`` copy of a ``mib`` MiB fp32 tensor: GB/s counting read + write (STREAM copy)."""
     device = torch.device(device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     n = mib * 2**20 // 4
     src = torch.ones(n, device=device)
     dst = torch.empty_like(src)
@@ -100,14 +105,14 @@ def measure_bandwidth(mib: int = 512, repeats: int = 5, device: torch.device | s
     copy = []
     read = []
     for _ in range(repeats):
-        sync()
+        synchronize(device)
         start = time.perf_counter()
         dst.copy_(src)
-        sync()
+        synchronize(device)
         copy.append(time.perf_counter() - start)
         start = time.perf_counter()
         src.sum()
-        sync()
+        synchronize(device)
         read.append(time.perf_counter() - start)
     nbytes = n * 4
     return {"bytes": nbytes, "copy_gb_s": 2 * nbytes / min(copy) / 1e9, "read_gb_s": nbytes / min(read) / 1e9,
@@ -128,10 +133,14 @@ def apply_roofline(row: dict, bandwidth_bytes_s: float) -> None:
     row["roofline_ratio"] = row["step_ms_p50"] / row["roofline_ms"]
 
 
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters, each counted once (tied weights are one tensor)."""
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
 def weight_bytes_per_step(model: nn.Module, batch: int) -> int:
     """Parameter bytes one decode step reads: every weight once, but only B rows of an untied embedding."""
-    params = {id(p): p for p in model.parameters()}
-    total = sum(p.numel() * p.element_size() for p in params.values())
+    total = parameter_bytes(model)
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
     if out is None or out.weight is not emb:

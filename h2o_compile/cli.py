@@ -161,6 +161,11 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def compile_choice(value: str):
+    """A --compile flag as ``optimize(compile=...)`` takes it: on/off -> True/False, a mode name as is."""
+    return {"on": True, "off": False}.get(value, value)
+
+
 def cmd_bench(args) -> int:
     """Decode benchmark vs transformers' caches + roofline; writes <out>.json/.md/.png."""
     import torch
@@ -177,7 +182,7 @@ def cmd_bench(args) -> int:
         models=args.models, batches=args.batches, totals=args.totals, budgets=args.budgets,
         local_budget=args.local_budget, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
         prefill=not args.no_prefill, prefill_repeats=args.prefill_repeats,
-        compile={"on": True, "off": False}.get(args.compile, args.compile),
+        compile=compile_choice(args.compile),
         prefill_contenders=args.prefill_contenders, quiet_wait_s=args.quiet_wait, retries=args.retries,
         contenders=args.contenders, bandwidth_mib=args.bandwidth_mib, seed=args.seed, profile=args.profile),
         **smoke})
@@ -303,7 +308,7 @@ def main(argv=None) -> int:
         args.model = args.model_opt or args.model
         if not args.model:
             parser.error("generate needs a model folder (--model PATH)")
-        args.compile = {"on": True, "off": False}.get(args.compile, args.compile)
+        args.compile = compile_choice(args.compile)
     try:
         return args.func(args)
     except (ValueError, TypeError) as err:  # user input errors: one line, no stack trace

@@ -45,6 +45,11 @@ def test_settings_reject_bad_values(kwargs, match):
         CudaBenchSettings(**kwargs)
 
 
+def test_unknown_part_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown \\['graph'\\]"):
+        run_cuda_bench(CudaBenchSettings(device="cpu", model="smoke"), parts=("graph",))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without a GPU")
 def test_cuda_requested_without_a_gpu_is_a_clear_error():
     with pytest.raises(RuntimeError, match="cuda"):
