@@ -5,7 +5,7 @@ torch.compile, with a memory-bandwidth roofline. A thin wrapper over ``h2o-compi
     python benchmarks/decode.py --smoke          # tiny sizes, seconds to a minute, output under /tmp
     python benchmarks/decode.py --models kvbound --batches 8 --totals 4096 --profile
 
-All options: ``python benchmarks/decode.py --help``; what is measured: h2o_compile/bench.py.
+All options: ``python benchmarks/decode.py --help``; what is measured: h2o_compile/bench/decode.py.
 """
 
 from __future__ import annotations

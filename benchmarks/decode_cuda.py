@@ -1,4 +1,4 @@
-"""GPU decode benchmark: CUDA graphs on/off and the largest batch under a memory cap (h2o_compile/bench_cuda.py).
+"""GPU decode benchmark: CUDA graphs on/off and the largest batch under a memory cap (h2o_compile/bench/cuda.py).
 
     python benchmarks/decode_cuda.py --out $OUT/decode_cuda          # on a CUDA machine (gpu_check.sh runs it)
     python benchmarks/decode_cuda.py --device cpu --smoke            # the harness on tiny sizes, no GPU needed
@@ -12,9 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from h2o_compile.bench_cuda import CudaBenchSettings, run_cuda_bench
-from h2o_compile.bench_report import write_cuda_report
-from h2o_compile.report import command_line
+from h2o_compile.bench.cuda import CudaBenchSettings, run_cuda_bench
+from h2o_compile.bench.report import write_cuda_report
+from h2o_compile.reporting import command_line
 
 
 def main(argv=None) -> int:

@@ -113,8 +113,8 @@ def _csv(kind):
 def cmd_eval(args) -> int:
     import torch
 
-    from .eval_report import write_eval_report
-    from .evaluation import EvalSettings, evaluate, read_tail
+    from .quality.report import write_eval_report
+    from .quality.evaluation import EvalSettings, evaluate, read_tail
 
     bad = [p for p in args.policies if p not in POLICIES]
     if bad:
@@ -170,9 +170,9 @@ def cmd_bench(args) -> int:
     """Decode benchmark vs transformers' caches + roofline; writes <out>.json/.md/.png."""
     import torch
 
-    from .bench import BenchSettings, run_bench
-    from .bench_report import write_bench_report
-    from .report import command_line
+    from .bench.decode import BenchSettings, run_bench
+    from .bench.report import write_bench_report
+    from .reporting import command_line
 
     if args.threads:
         torch.set_num_threads(args.threads)

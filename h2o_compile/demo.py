@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from .report import command_line, machine_description, markdown_table, write_json
+from .reporting import command_line, machine_description, markdown_table, write_json
 
 # Our own prompts, in the registers the shipped model was trained on (encyclopedia prose and a novel).
 DEMO_PROMPTS = (
@@ -74,7 +74,7 @@ def run_demo(out_dir="docs/results/demo", new_tokens: int = 64, budget: float = 
 
 
 def _write(out: Path, rows, records, new_tokens, budget) -> None:
-    from .report import plot_bars
+    from .reporting import plot_bars
 
     header = {"command": command_line(), "machine": machine_description(), "new_tokens": new_tokens,
               "budget": budget}

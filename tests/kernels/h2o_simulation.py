@@ -2,6 +2,10 @@
 
 Written from DESIGN.md section 2 without looking at kernels/reference.py; the tests compare every backend
 against it. One simulated cache per (batch row, KV head).
+
+Attention kinds (DESIGN.md section 2): ``window`` W (a query at t sees key p only if t - p < W; a key that left
+the window is dropped before any eviction choice), ``softcap`` (logits = cap * tanh(logits / cap)) and
+``sink_logits`` (one extra logit per query head of the group in the softmax denominator, receiving no score).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ def random_key(pos: int, seed: int) -> int:
 class SimulatedCache:
     """Kept positions S and their scores A for one (row, KV head); keys/values of every token ever seen."""
 
-    def __init__(self, capacity, recent, sinks, policy, seed=0):
+    def __init__(self, capacity, recent, sinks, policy, seed=0, window=None, softcap=None, sink_logits=None):
         self.capacity, self.recent, self.sinks, self.policy, self.seed = capacity, recent, sinks, policy, seed
+        self.window, self.softcap, self.sink_logits = window, softcap, sink_logits
         self.kept: set[int] = set()
         self.score: dict[int, float] = {}
         self.keys: dict[int, torch.Tensor] = {}
@@ -38,14 +43,18 @@ class SimulatedCache:
         new = set(positions)
         outs = torch.zeros(q.shape[0], len(positions), v.shape[-1], dtype=torch.float64)
         for i, t in enumerate(positions):
-            visible = sorted(self.kept | {p for p in new if p <= t})
+            visible = sorted(p for p in self.kept | {p for p in new if p <= t}
+                             if self.window is None or t - p < self.window)
             keys = torch.stack([self.keys[p] for p in visible])
             values = torch.stack([self.values[p] for p in visible])
             for g in range(q.shape[0]):
                 logits = [float(q[g, i] @ key) * scale for key in keys]
-                top = max(logits)
+                if self.softcap is not None:
+                    logits = [self.softcap * math.tanh(x / self.softcap) for x in logits]
+                sink = None if self.sink_logits is None else float(self.sink_logits[g])
+                top = max(logits + ([] if sink is None else [sink]))
                 weights = [math.exp(x - top) for x in logits]
-                total = sum(weights)
+                total = sum(weights) + (0.0 if sink is None else math.exp(sink - top))
                 probs = [w / total for w in weights]
                 outs[g, i] = sum(pr * val for pr, val in zip(probs, values))
                 for p, pr in zip(visible, probs):
@@ -56,6 +65,8 @@ class SimulatedCache:
         return outs
 
     def _evict(self, newest):
+        if self.window is not None:
+            self.kept = {p for p in self.kept if p > newest - self.window}
         while len(self.kept) > self.capacity and self.policy != "full":
             candidates = [p for p in self.kept if not (p < self.sinks or p > newest - self.recent)]
             if self.policy == "h2o":

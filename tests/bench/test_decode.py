@@ -1,4 +1,4 @@
-"""The decode benchmark harness (h2o_compile.bench): structure, fairness, synthetic fill and roofline math."""
+"""The decode benchmark harness (h2o_compile.bench.decode): structure, fairness, synthetic fill and roofline math."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from h2o_compile.bench import (
+from h2o_compile.bench.decode import (
     BenchSettings,
     build_model,
     roofline_seconds,
@@ -16,8 +16,8 @@ from h2o_compile.bench import (
     run_decode,
     weight_bytes_per_step,
 )
-from h2o_compile.bench_contenders import H2OContender, HFContender, build_contenders
-from h2o_compile.bench_report import write_bench_report
+from h2o_compile.bench.contenders import H2OContender, HFContender, build_contenders
+from h2o_compile.bench.report import write_bench_report
 
 CONTENDERS = ["hf-dynamic", "hf-static-compile", "hf-static-compile@0.2", "local@0.2", "h2o@0.2"]
 

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from .runtime import optimize
+from ..runtime import optimize
 
 
 @dataclass

@@ -1,11 +1,11 @@
 """Decode benchmark: H2OModel against transformers' own caches, in one process, plus a memory roofline.
 
-``run_bench(settings)`` returns a JSON-ready dict; ``bench_report.write_bench_report`` writes it as JSON,
+``run_bench(settings)`` returns a JSON-ready dict; ``bench.report.write_bench_report`` writes it as JSON,
 markdown and PNG. The CLI (``h2o-compile bench``) and ``benchmarks/decode.py`` call these two.
 
 What is measured, per (model, batch B, total length N):
 - decode: the cache of every contender is filled synthetically with ``context = N - steps`` tokens (see
-  bench_contenders), then ``steps`` single-token steps run, the last at N tokens. The same token ids and
+  bench.contenders), then ``steps`` single-token steps run, the last at N tokens. The same token ids and
   positions go to every contender. ``warmup`` steps (which include torch.compile) run first and are not
   timed; then ``repeats`` timed blocks, the contender order reversed every other repeat; after each block the
   cache is restored to ``context`` tokens. Latency p50/p95 pool the steps of all blocks; tokens/s is the
@@ -29,11 +29,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .bench_contenders import build_contenders
-from .bench_machine import (apply_roofline, cpu_ticks, foreign_cores, measure_bandwidth, peak_memory_kib,
+from .contenders import build_contenders
+from .machine import (apply_roofline, cpu_ticks, foreign_cores, measure_bandwidth, peak_memory_kib,
                             reset_peak_memory, roofline_seconds, summarize_bandwidth, synchronize,
                             weight_bytes_per_step)
-from .bench_machine import wait_for_quiet as _wait
+from .machine import wait_for_quiet as _wait
 
 __all__ = ["BenchSettings", "build_model", "headline", "roofline_seconds", "run_bench", "run_decode",
            "run_prefill", "weight_bytes_per_step"]
@@ -90,7 +90,7 @@ class BenchSettings:
 def build_model(name: str, seed: int = 0) -> nn.Module:
     """``tiny`` (the shipped model; FileNotFoundError if not trained yet), ``kvbound`` or ``smoke`` (random)."""
     if name == "tiny":
-        from .zoo import load_tiny
+        from ..zoo import load_tiny
 
         return load_tiny()[0]
     import transformers
@@ -231,8 +231,8 @@ def profile_step(contender, tokens, context: int, row_limit: int = 15) -> str:
 
 
 def run_bench(settings: BenchSettings, log=print) -> dict:
-    """The whole benchmark; returns the result dict (see bench_report for how it is written)."""
-    from .report import machine_description
+    """The whole benchmark; returns the result dict (see bench.report for how it is written)."""
+    from ..reporting import machine_description
 
     begin = time.perf_counter()
     waited = wait_for_quiet(settings, log)

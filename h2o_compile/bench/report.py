@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .report import command_line, markdown_table, write_json
+from ..reporting import command_line, markdown_table, write_json
 
 TARGETS = {  # headline key -> (target, "higher" | "lower", wording)
     "speedup_vs_eager_full": (3.0, "higher", "tokens/s vs transformers eager DynamicCache (full cache)"),
@@ -193,7 +193,7 @@ def write_bench_report(result: dict, out: str, command: str | None = None) -> di
 
 
 def cuda_markdown(result: dict, command: str) -> str:
-    """The GPU run (bench_cuda.run_cuda_bench): CUDA graphs on/off, and the largest batch under a memory cap."""
+    """The GPU run (bench.cuda.run_cuda_bench): CUDA graphs on/off, and the largest batch under a memory cap."""
     s = result["settings"]
     bw = result["bandwidth"]
     lines = ["# Decode on a GPU: CUDA graphs and the largest batch under a memory cap", "",
@@ -224,7 +224,7 @@ def cuda_markdown(result: dict, command: str) -> str:
 
 def cuda_plot(path: Path, result: dict) -> None:
     """tokens/s bars: graphs on and off, then each contender at its largest batch under the cap."""
-    from .report import plot_bars
+    from ..reporting import plot_bars
 
     bars = [(r["contender"], r["tokens_per_s"]) for r in result["graphs"]]
     bars += [(f"{r['contender']} @ B={r['batch']} (cap)", r.get("tokens_per_s", 0.0)) for r in result["memory_cap"]]
@@ -235,5 +235,5 @@ def cuda_plot(path: Path, result: dict) -> None:
 
 
 def write_cuda_report(result: dict, out: str, command: str | None = None) -> dict:
-    """The GPU run (bench_cuda.run_cuda_bench) as ``out``.json / .md / .png; returns the paths."""
+    """The GPU run (bench.cuda.run_cuda_bench) as ``out``.json / .md / .png; returns the paths."""
     return _write(result, out, command, cuda_markdown, cuda_plot)

@@ -11,7 +11,7 @@ import torch
 
 import h2o_compile
 from h2o_compile.cli import main
-from h2o_compile.evaluation import EvalSettings, common_prefix, evaluate, read_tail, rouge_l, streaming_nll
+from h2o_compile.quality.evaluation import EvalSettings, common_prefix, evaluate, read_tail, rouge_l, streaming_nll
 from tests.runtime.arch_configs import build
 
 TEXT = " ".join(f"w{(i * 7 + i // 5) % 90}" for i in range(400))

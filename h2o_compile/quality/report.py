@@ -6,7 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from .evaluation import EvalResult
-from .report import command_line, machine_description, markdown_table, plot_lines, write_json
+from ..reporting import command_line, machine_description, markdown_table, plot_lines, write_json
 
 
 def result_rows(result: EvalResult):

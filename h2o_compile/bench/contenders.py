@@ -26,8 +26,8 @@ import time
 import torch
 from torch import Tensor, nn
 
-from .bench_machine import synchronize
-from .passes import state_names
+from .machine import synchronize
+from ..passes import state_names
 
 
 def kv_geometry(model: nn.Module) -> tuple[int, int, int]:
@@ -123,7 +123,7 @@ class HFContender:
             self.cache.update(keys, values, i)
         self.batch, self.total, self.context, self.capacity = batch, total, context, total
         if self._fn is None:
-            from .runtime import compile_step  # the same settings H2OModel compiles its step with
+            from ..runtime import compile_step  # the same settings H2OModel compiles its step with
 
             self._fn = (compile_step(self.model.forward, self.mode or "default", weight.device) if self.compile
                         else self.model.forward)
@@ -185,7 +185,7 @@ class H2OContender:
     def __init__(self, model: nn.Module, policy: str, budget: float, compile: bool | str = True,
                  name: str | None = None):
         """``compile``: as ``optimize`` (True, False or a torch.compile mode); ``name`` overrides the name."""
-        from .runtime import optimize
+        from ..runtime import optimize
 
         self.policy, self.budget = policy, budget
         self.name = name or ("h2o-full" if policy == "full" else f"{policy}@{budget:g}")

@@ -1,4 +1,4 @@
-"""The GPU decode benchmark's harness (h2o_compile.bench_cuda): the batch search and a CPU smoke run."""
+"""The GPU decode benchmark's harness (h2o_compile.bench.cuda): the batch search and a CPU smoke run."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from h2o_compile.bench_cuda import CudaBenchSettings, find_max_batch, fit_batch_limit, run_cuda_bench
-from h2o_compile.bench_report import write_cuda_report
+from h2o_compile.bench.cuda import CudaBenchSettings, find_max_batch, fit_batch_limit, run_cuda_bench
+from h2o_compile.bench.report import write_cuda_report
 
 
 def test_fit_batch_limit_is_the_line_through_two_probes():
