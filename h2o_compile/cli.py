@@ -40,15 +40,41 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def _load_gemma(dtype):
+    from .zoo import load_gemma3_270m
+
+    return load_gemma3_270m(dtype)
+
+
+def _load_tiny(dtype):
+    from .zoo import load_tiny
+
+    return load_tiny(dtype)
+
+
+# --model names that need no path: the models of h2o_compile.zoo.
+NAMED_MODELS = {"gemma3-270m": _load_gemma, "tiny": _load_tiny}
+
+
 def load_local(path: str, dtype: str = "float32"):
-    """(model, tokenizer) from a local folder, never from a hub."""
+    """(model, tokenizer) from a local folder, a local ``.gguf`` file, or a zoo name (``gemma3-270m``,
+    ``tiny``); never from a hub."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise SystemExit(f"error: --model {path!r} is not a folder with a config.json (only local models load)")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    if path in NAMED_MODELS:
+        return NAMED_MODELS[path](torch_dtype)
+    if folder.suffix == ".gguf":
+        from .zoo import load_gguf
+
+        if not folder.is_file():
+            raise SystemExit(f"error: --model {path!r}: no such .gguf file")
+        return load_gguf(folder, torch_dtype)
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"error: --model {path!r} is not a folder with a config.json, a .gguf file, or one of "
+                         f"{', '.join(NAMED_MODELS)} (only local models load)")
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch_dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model, tokenizer
@@ -126,7 +152,8 @@ def cmd_eval(args) -> int:
     settings = EvalSettings(budgets=args.budgets, policies=args.policies, seq_len=args.seq_len,
                             num_seqs=args.num_seqs, batch_size=args.batch_size, prompt_len=args.prompt_len,
                             gen_prompt_len=args.gen_prompt_len, gen_new_tokens=args.gen_new_tokens,
-                            gen_prompts=args.gen_prompts, compile=args.compile != "off")
+                            gen_prompts=args.gen_prompts, compile=args.compile != "off",
+                            compress_sliding=args.compress_sliding, h2o_sinks=args.h2o_sinks)
     if args.heldout is not None:
         from .zoo.data import read_corpus
 
@@ -138,12 +165,18 @@ def cmd_eval(args) -> int:
     start = time.perf_counter()
     result = evaluate(model, tokenizer, texts, settings)
     elapsed = time.perf_counter() - start
-    paths = write_eval_report(result, args.out, model_name=Path(args.model).name if args.model else "tiny-llama",
+    paths = write_eval_report(result, args.out, model_name=_model_name(args.model),
                               text_names=names,
                               elapsed_s=elapsed)
     print(paths["markdown"].read_text())
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0
+
+
+def _model_name(path) -> str:
+    if not path or path == "tiny":
+        return "tiny-llama"
+    return path if path in NAMED_MODELS else Path(path).name
 
 
 def _model_or_tiny(path):
@@ -246,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text with an H2O cache from a local model folder")
     gen.add_argument("model", nargs="?", help="model folder (or the exported folder with --backend onnx)")
-    gen.add_argument("--model", dest="model_opt", help="model folder")
+    gen.add_argument("--model", dest="model_opt", help="model folder, .gguf file, or gemma3-270m / tiny")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -262,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="perplexity and generation agreement vs budget, per policy")
-    ev.add_argument("--model", default=None, help="model folder (default: the shipped tiny model)")
+    ev.add_argument("--model", default=None, help="model folder, .gguf file, or gemma3-270m / tiny (default: tiny)")
     ev.add_argument("--text", nargs="+", required=True, help="text file(s) to evaluate on")
     ev.add_argument("--tail", type=float, default=1.0, help="use only the last fraction of each file (0.1)")
     ev.add_argument("--heldout", type=float, default=None,
@@ -277,11 +310,14 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--gen-new-tokens", type=int, default=128)
     ev.add_argument("--gen-prompts", type=int, default=8)
     ev.add_argument("--compile", choices=("on", "off"), default="on")
+    ev.add_argument("--compress-sliding", action="store_true",
+                    help="compress sliding-window layers to the budget too (default: they keep their window)")
+    ev.add_argument("--h2o-sinks", type=int, default=0, help="also evaluate h2o with this many sink tokens")
     ev.add_argument("--out", default="docs/results/eval")
     ev.set_defaults(func=cmd_eval)
 
     exp = sub.add_parser("export", help="export an H2O model to ONNX for ONNX Runtime")
-    exp.add_argument("--model", required=True, help="local model folder")
+    exp.add_argument("--model", required=True, help="model folder, .gguf file, or gemma3-270m / tiny")
     exp.add_argument("-o", "--output", required=True, help="output folder")
     add_h2o_args(exp)
     exp.add_argument("--max-seq-len", type=int, default=None,

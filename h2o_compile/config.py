@@ -29,6 +29,10 @@ class H2OConfig:
             grows with the prompt) then compresses to the capacity; an int ``c`` feeds the prompt in chunks
             of ``c`` tokens so memory stays at capacity + c.
         seed: seed of the ``random`` policy.
+        compress_sliding: sliding-window layers (hybrid models such as Gemma 3) keep a window cache of
+            min(W, sequence) slots by default (exactly the keys the model can still see, as transformers'
+            own cache does), and the budget applies to full-attention layers. True compresses them too:
+            min(C, W) slots, keys that left the window evicted first, then the policy.
     """
 
     budget: Union[float, int] = 0.2
@@ -37,6 +41,7 @@ class H2OConfig:
     policy: str = "h2o"
     prefill: Union[str, int] = "full"
     seed: int = 0
+    compress_sliding: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
@@ -67,6 +72,8 @@ class H2OConfig:
             raise ValueError(f"prefill={self.prefill!r} must be 'full' or an int chunk size >= 1")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed={self.seed!r} must be an int >= 0")
+        if not isinstance(self.compress_sliding, bool):
+            raise ValueError(f"compress_sliding={self.compress_sliding!r} must be True or False")
         if isinstance(self.budget, int):
             self._check_split(self.budget)
 
@@ -90,6 +97,23 @@ class H2OConfig:
     def recent_window(self, capacity: int) -> int:
         """R = max(1, round(C x recent_ratio)): the newest R positions are never evicted."""
         return max(1, round(capacity * self.recent_ratio))
+
+    def layer_params(self, total_len: int, window: int) -> tuple[int, int, int]:
+        """(capacity, recent window, sink tokens) of one layer for a sequence of ``total_len`` tokens.
+
+        A full-attention layer (``window`` 0) gets C = capacity(total_len). A sliding-window layer keeps
+        min(W, total_len) slots, all protected (only keys that left the window are evicted: no choice to
+        make), or with ``compress_sliding`` min(C, W) slots under the policy.
+        """
+        cap = self.capacity(total_len)
+        if window <= 0:
+            return cap, self.recent_window(cap), self.sink_tokens
+        if not self.compress_sliding:
+            slots = min(window, total_len)
+            return slots, slots, 0
+        slots = min(cap, window)
+        self._check_split(slots)
+        return slots, self.recent_window(slots), self.sink_tokens
 
     def _check_split(self, capacity: int) -> None:
         recent = self.recent_window(capacity)

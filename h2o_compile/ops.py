@@ -47,7 +47,8 @@ def _triton_available() -> bool:
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                  key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
-                 recent: int, sinks: int, policy: str) -> None:
+                 recent: int, sinks: int, policy: str, window: int = 0, softcap: float = 0.0,
+                 sink_logits: Optional[Tensor] = None) -> None:
     """Shape / dtype checks with messages that say what was expected (raised as ValueError)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [B, H, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -82,46 +83,59 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opti
     if recent < 1 or sinks < 0 or recent + sinks > cap:
         raise ValueError(f"need recent >= 1, sinks >= 0 and recent + sinks <= C={cap}; got recent={recent}, "
                          f"sinks={sinks}")
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window={window} and softcap={softcap} must be >= 0 (0 = off)")
+    if sink_logits is not None and tuple(sink_logits.shape) != (hq,):
+        raise ValueError(f"sink_logits must be [Hq={hq}] (one logit per query head); got {tuple(sink_logits.shape)}")
 
 
 @torch.library.custom_op("h2o::attention_", mutates_args=("key_cache", "value_cache", "score_cache", "pos_cache"))
 def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
-               scale: float, recent: int, sinks: int, policy: str, seed: int) -> Tensor:
-    """In-place H2O attention over a block of T new tokens. Returns out [B, Hq, T, Dv]."""
-    check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy)
+               scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
+               softcap: float = 0.0, sink_logits: Optional[Tensor] = None) -> Tensor:
+    """In-place H2O attention over a block of T new tokens. Returns out [B, Hq, T, Dv].
+
+    ``window`` (sliding window, 0 = none), ``softcap`` (0 = none) and ``sink_logits`` ([Hq] or None) are the
+    layer's attention kind (kernels/reference.py)."""
+    check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
+                 window, softcap, sink_logits)
     state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
+    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits)
     if backend_for(q.device) == "triton":
         from .kernels import triton_ops
 
         return triton_ops.h2o_attention_(q, k, v, positions, valid, state, scale=scale, recent=recent,
-                                         sinks=sinks, policy=policy, seed=seed)
+                                         sinks=sinks, policy=policy, seed=seed, **kind)
     return reference.h2o_attention_(q, k, v, positions, valid, state, scale=scale, recent=recent,
-                                    sinks=sinks, policy=policy, seed=seed)
+                                    sinks=sinks, policy=policy, seed=seed, **kind)
 
 
 @attention_.register_fake
 def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
-      policy, seed):
+      policy, seed, window=0, softcap=0.0, sink_logits=None):
     return q.new_empty(q.shape[:3] + (v.shape[3],))
 
 
 @torch.library.custom_op("h2o::attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
               key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
-              scale: float, recent: int, sinks: int, policy: str, seed: int
+              scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
+              softcap: float = 0.0, sink_logits: Optional[Tensor] = None
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Functional H2O attention: returns (out, key_cache, value_cache, score_cache, pos_cache), all new."""
-    check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy)
+    check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
+                 window, softcap, sink_logits)
     state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
     out, new = reference.h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
-                                       sinks=sinks, policy=policy, seed=seed)
+                                       sinks=sinks, policy=policy, seed=seed, window=window, softcap=softcap,
+                                       sink_logits=sink_logits)
     return (out,) + tuple(x.clone() if x is y else x for x, y in zip(new, state))
 
 
 @attention.register_fake
 def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
-      policy, seed):
+      policy, seed, window=0, softcap=0.0, sink_logits=None):
     out = q.new_empty(q.shape[:3] + (v.shape[3],))
     return (out, torch.empty_like(key_cache), torch.empty_like(value_cache), torch.empty_like(score_cache),
             torch.empty_like(pos_cache))
@@ -129,35 +143,39 @@ def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache,
 
 @torch.library.custom_op("h2o::attend_decode", mutates_args=())
 def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, key_cache: Tensor, value_cache: Tensor,
-                  pos_cache: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                  pos_cache: Tensor, scale: float, new_pos: Tensor, window: int = 0, softcap: float = 0.0,
+                  sink_logits: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """The attention half of the decode step (reference.attend_decode): (out [B, Hq, 1, Dv], mass over the
     cache [B, Hkv, C], mass on the new key [B, Hkv, 1]). Opaque to the compiler, which keeps its two
     batched matrix-vector products on the BLAS kernels."""
     state = reference.H2OState(key_cache, value_cache, None, pos_cache)
-    out, mass_cache, mass_new = reference.attend_decode(q, k, v, valid, state, scale)
+    out, mass_cache, mass_new = reference.attend_decode(q, k, v, valid, state, scale, new_pos, window=window,
+                                                        softcap=softcap, sink_logits=sink_logits)
     return out, mass_cache.contiguous(), mass_new.clone()  # views of one tensor: outputs may not alias
 
 
 @attend_decode.register_fake
-def _(q, k, v, valid, key_cache, value_cache, pos_cache, scale):
+def _(q, k, v, valid, key_cache, value_cache, pos_cache, scale, new_pos, window=0, softcap=0.0, sink_logits=None):
     mass = pos_cache.new_empty(pos_cache.shape, dtype=torch.float32)
     return q.new_empty(q.shape[:3] + (value_cache.shape[3],)), mass, mass.new_empty(pos_cache.shape[:2] + (1,))
 
 
 def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                     key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
-                    scale: float, recent: int, sinks: int, policy: str, seed: int) -> Tensor:
+                    scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
+                    softcap: float = 0.0, sink_logits: Optional[Tensor] = None) -> Tensor:
     """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: the opaque attention op, then
     reference.evict_and_write_ as plain torch ops that torch.compile fuses into the step's generated code
     (on CPU one loop nest per layer instead of ~25 small eager kernels). Same signature and result as the op;
     the compiled CPU decode graph calls this (passes.fuse_decode_bookkeeping)."""
-    check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy)
+    check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
+                 window, softcap, sink_logits)
     if q.shape[2] != 1:
         raise ValueError(f"decode_fusable_ takes one token per row (T = 1); got T = {q.shape[2]}")
     valid, new_pos, newest = reference._block_inputs(k, positions, valid)
     out, mass_cache, mass_new = torch.ops.h2o.attend_decode(q, k, v, valid, key_cache, value_cache, pos_cache,
-                                                            scale)
+                                                            scale, new_pos, window, softcap, sink_logits)
     state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
     reference.evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent,
-                               sinks=sinks, policy=policy, seed=seed)
+                               sinks=sinks, policy=policy, seed=seed, window=window)
     return out

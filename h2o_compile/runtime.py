@@ -68,7 +68,8 @@ class H2OModel(nn.Module):
         self.h2o_config = config
         self.limits = limits
         self.compile_mode = compile
-        self.capacity: Optional[int] = None
+        self.capacity: Optional[int] = None           # C of the full-attention layers (the budget)
+        self.layer_capacities: list[int] = []         # slots per layer (sliding-window layers may differ)
         self.max_seq_len: Optional[int] = None
         self._fed = 0
         self._params = None
@@ -94,14 +95,15 @@ class H2OModel(nn.Module):
         check_sequence_fits(self.limits, max_seq_len)
         cfg = self.h2o_config
         cap = cfg.capacity(max_seq_len)
-        params = dict(recent=cfg.recent_window(cap), sinks=cfg.sink_tokens, policy=cfg.policy, seed=cfg.seed)
+        plan = [cfg.layer_params(max_seq_len, spec.window) for spec in self.layers]  # (slots, recent, sinks)
+        params = dict(recent=[p[1] for p in plan], sinks=[p[2] for p in plan], policy=cfg.policy, seed=cfg.seed)
         if params != self._params:
             set_h2o_params(self.graph, **params)
             self._params = params
             self._compiled.clear()  # the constants live in the graph code
         device = self.device
-        for i, spec in enumerate(self.layers):
-            state = empty_state(batch_size, spec.kv_heads, cap, spec.head_dim, value_dim=spec.value_dim,
+        for i, (spec, (slots, _, _)) in enumerate(zip(self.layers, plan)):
+            state = empty_state(batch_size, spec.kv_heads, slots, spec.head_dim, value_dim=spec.value_dim,
                                 dtype=spec.dtype, device=device)
             for name, tensor in zip(state_names(i), state):
                 self.register_buffer(name, tensor, persistent=False)
@@ -109,6 +111,7 @@ class H2OModel(nn.Module):
                     torch._dynamo.mark_static_address(tensor)  # CUDA graphs replay on fixed addresses
         self.seen = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.capacity, self.max_seq_len, self._fed = cap, max_seq_len, 0
+        self.layer_capacities = [slots for slots, _, _ in plan]
 
     def state(self) -> list[Tensor]:
         """The flat state, per layer: key [B, Hkv, C, D], value, score [B, Hkv, C] fp32, position int64."""
@@ -117,7 +120,7 @@ class H2OModel(nn.Module):
         return [getattr(self, name) for i in range(len(self.layers)) for name in state_names(i)]
 
     def kept_positions(self, layer: int) -> Tensor:
-        """LongTensor [B, Hkv, C]: the token position held by each slot of ``layer``, -1 for an empty slot."""
+        """LongTensor [B, Hkv, C_layer]: the token position held by each slot of ``layer``, -1 = empty slot."""
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"layer={layer} out of range; the model has {len(self.layers)} layers")
         self.state()
@@ -127,10 +130,25 @@ class H2OModel(nn.Module):
         """Bytes held by the H2O state (keys, values, scores and positions) of all layers."""
         return sum(t.numel() * t.element_size() for t in self.state())
 
+    def layer_cache_bytes(self) -> list[int]:
+        """Bytes of each layer's H2O state (keys, values, scores, positions), in layer order."""
+        state = self.state()
+        return [sum(t.numel() * t.element_size() for t in state[4 * i:4 * i + 4]) for i in range(len(self.layers))]
+
     def full_cache_bytes(self, batch_size: int, seq_len: int) -> int:
-        """Bytes a full KV cache (keys and values only, like transformers' caches) needs for the same model."""
-        return sum(batch_size * s.kv_heads * seq_len * (s.head_dim + s.value_dim) * s.dtype.itemsize
+        """Bytes a KV cache holding every token of every layer (keys and values) needs for the same model."""
+        return sum(self._kv_bytes(s, batch_size, seq_len) for s in self.layers)
+
+    def hf_cache_bytes(self, batch_size: int, seq_len: int) -> int:
+        """Bytes transformers' own ``DynamicCache(config=model.config)`` holds after ``seq_len`` tokens: every
+        token on full-attention layers, the last W - 1 on sliding-window layers (it keeps what the next query
+        can see besides itself)."""
+        return sum(self._kv_bytes(s, batch_size, min(seq_len, s.window - 1) if s.window else seq_len)
                    for s in self.layers)
+
+    @staticmethod
+    def _kv_bytes(spec: LayerSpec, batch_size: int, tokens: int) -> int:
+        return batch_size * spec.kv_heads * tokens * (spec.head_dim + spec.value_dim) * spec.dtype.itemsize
 
     # -- running -------------------------------------------------------------------------------------------
 
@@ -219,18 +237,32 @@ def build_graph(model: nn.Module, *, functional: bool = False):
             f"{name}: found {len(sites)} attention sites for {limits.num_layers} layers; supported patterns are "
             "aten.scaled_dot_product_attention (with or without repeat_kv / enable_gqa) and eager "
             "matmul -> softmax -> matmul")
-    layers = rewrite_attention(graph, sites, functional=functional)
+    check_layer_kinds(name, sites, limits)
+    layers = rewrite_attention(graph, sites, functional=functional, windows=limits.windows)
     return graph, layers, limits
+
+
+def check_layer_kinds(name: str, sites, limits: ModelLimits) -> None:
+    """The config's per-layer settings apply to the site of that layer: sites must come in layer order (where
+    the graph records the module path), and the soft-cap the graph shows must be the config's."""
+    for i, site in enumerate(sites):
+        if site.layer is not None and site.layer != i:
+            raise UnsupportedModelError(f"{name}: attention site {i} ({site.node.name}) was traced in layer "
+                                        f"{site.layer}; cannot match the config's per-layer attention kinds")
+        if abs(site.softcap - limits.softcap) > 1e-6 * max(1.0, limits.softcap):
+            raise UnsupportedModelError(
+                f"{name}: layer {i} ({site.node.name}) soft-caps its logits at {site.softcap or 'none'} but the "
+                f"config says attn_logit_softcapping={limits.softcap or None}")
 
 
 def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio: float = 0.5,
              sink_tokens: Optional[int] = None, policy: str = "h2o", prefill: Union[str, int] = "full",
-             seed: int = 0, compile: Union[str, bool] = "auto") -> H2OModel:
+             seed: int = 0, compress_sliding: bool = False, compile: Union[str, bool] = "auto") -> H2OModel:
     """Turn a transformers causal LM into an :class:`H2OModel` whose KV cache keeps ``budget`` of the sequence.
 
     Args:
         budget: float in (0, 1] (fraction of prompt + new tokens) or int (cache slots).
-        recent_ratio, sink_tokens, policy, prefill, seed: see :class:`H2OConfig`.
+        recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding: see :class:`H2OConfig`.
         compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU),
             ``"auto"`` does so on CUDA only (on CPU the compile time rarely pays for short runs); a
             torch.compile mode (``"default"``, ``"reduce-overhead"``, ...) compiles with that mode. On CPU
@@ -238,7 +270,7 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
             after a longer first compile.
     """
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
-                       prefill=prefill, seed=seed)
+                       prefill=prefill, seed=seed, compress_sliding=compress_sliding)
     _check_compile(compile)
     graph, layers, limits = build_graph(model)
     return H2OModel(model, graph, layers, config, limits, compile=compile)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from torch import nn
 
@@ -16,11 +16,24 @@ class UnsupportedModelError(ValueError):
     """The model has an attention variant the H2O pass cannot serve; the message names it."""
 
 
+# transformers' `layer_types` entries the pass serves; anything else (chunked, linear attention) declines.
+_FULL_KINDS = ("full_attention",)
+_SLIDING_KINDS = ("sliding_attention",)
+
+
 @dataclass(frozen=True)
 class ModelLimits:
+    """What the config says about the model's attention, per layer and as a whole."""
+
     num_layers: int
     max_positions: Optional[int]
-    sliding_window: Optional[int]  # smallest window of any sliding-window layer, None if none
+    windows: Sequence[int]  # per layer: sliding window W, 0 for a full-attention layer
+    softcap: float = 0.0    # attention logit soft-capping (every layer), 0 = none
+
+    @property
+    def sliding_window(self) -> Optional[int]:
+        """The smallest window of any sliding-window layer, None if there is none."""
+        return min((w for w in self.windows if w), default=None)
 
 
 def text_config(model: nn.Module):
@@ -37,37 +50,48 @@ def check_supported(model: nn.Module) -> ModelLimits:
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{name}: encoder-decoder models use cross-attention; only decoder-only "
                                     "causal LMs are supported")
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap:
-        raise UnsupportedModelError(f"{name}: attention logit soft-capping (attn_logit_softcapping={softcap}) is "
-                                    "not supported")
     if getattr(config, "model_type", None) in _ALIBI_MODEL_TYPES or getattr(config, "alibi", False):
         raise UnsupportedModelError(f"{name}: ALiBi position bias is not supported (only rotary or learned "
                                     "absolute positions)")
     layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(layers, int):
         raise UnsupportedModelError(f"{name}: config has no num_hidden_layers")
-    return ModelLimits(layers, getattr(config, "max_position_embeddings", None), _sliding_window(config))
+    softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+    return ModelLimits(layers, getattr(config, "max_position_embeddings", None), layer_windows(config, name),
+                       softcap)
 
 
-def _sliding_window(config) -> Optional[int]:
+def layer_windows(config, name: str = "model") -> tuple[int, ...]:
+    """Per layer, the sliding window W from the config (``layer_types`` + ``sliding_window``), 0 for full
+    attention. Without ``layer_types``, a ``sliding_window`` (unless ``use_sliding_window`` is False) applies
+    to every layer, as in Mistral."""
+    layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
-    if not window:
-        return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and not any("sliding" in str(kind) for kind in layer_types):
-        return None
     if getattr(config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
+        window = None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return (int(window),) * layers if window else (0,) * layers
+    if len(layer_types) != layers:
+        raise UnsupportedModelError(f"{name}: config.layer_types has {len(layer_types)} entries for {layers} "
+                                    "layers")
+    windows = []
+    for i, kind in enumerate(layer_types):
+        if kind in _SLIDING_KINDS:
+            if not window:
+                raise UnsupportedModelError(f"{name}: layer {i} is {kind!r} but config.sliding_window is {window}")
+            windows.append(int(window))
+        elif kind in _FULL_KINDS:
+            windows.append(0)
+        else:
+            allowed = ", ".join(map(repr, _FULL_KINDS + _SLIDING_KINDS))
+            raise UnsupportedModelError(f"{name}: layer {i} has attention kind {kind!r}; supported: {allowed}")
+    return tuple(windows)
 
 
 def check_sequence_fits(limits: ModelLimits, max_seq_len: int) -> None:
-    """A sequence longer than the positions the model knows, or than a sliding window, is an error."""
+    """A sequence longer than the positions the model knows is an error (sliding-window layers serve any
+    length: they keep a window cache)."""
     if limits.max_positions is not None and max_seq_len > limits.max_positions:
         raise ValueError(f"sequence of {max_seq_len} tokens (prompt + max_new_tokens) exceeds the model's "
                          f"max_position_embeddings={limits.max_positions}")
-    if limits.sliding_window is not None and max_seq_len > limits.sliding_window:
-        raise UnsupportedModelError(
-            f"sequence of {max_seq_len} tokens exceeds the model's sliding window ({limits.sliding_window}); "
-            "sliding-window layers are served only while the whole sequence fits in the window")

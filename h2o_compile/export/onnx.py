@@ -66,13 +66,22 @@ def state_output_names(num_layers: int) -> list[str]:
 
 
 def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent,
-                     sinks, policy, seed):
-    """torch.ops.h2o.attention -> one call of the H2OAttention function (attributes carry the constants)."""
+                     sinks, policy, seed, window=0, softcap=0.0, sink_logits=None):
+    """torch.ops.h2o.attention -> one call of the H2OAttention function (attributes carry the constants).
+
+    A layer without learned sinks passes all -inf (no sink for any head): the function's input is always
+    there, and the constant lets ONNX Runtime fold the sink branch away (export/onnx_function.py)."""
+    from onnxscript import opset18 as op
+
     from .onnx_function import H2OAttentionNode
 
+    if sink_logits is None:
+        # [Hq] from q's static head count; the optimizer folds Shape + Expand into a constant.
+        sink_logits = op.Expand(op.Constant(value_float=float("-inf")), op.Shape(q, start=1, end=2))
     return H2OAttentionNode(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache,
-                            scale=float(scale), recent=int(recent), sinks=int(sinks),
-                            policy=POLICY_CODES[policy], seed=int(seed))
+                            sink_logits, scale=float(scale), recent=int(recent), sinks=int(sinks),
+                            policy=POLICY_CODES[policy], seed=int(seed), window=int(window),
+                            softcap=float(softcap))
 
 
 def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed
@@ -161,11 +170,6 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
 
 def _export_program(graph, layers, capacity: int, max_seq_len: int, batch_size: int | None, opset: int):
     """torch.onnx.export (dynamo) of the functional graph; returns the ONNXProgram with the function kept."""
-    import onnxscript.optimizer
-    from onnxscript import ir
-
-    from .onnx_function import DOMAIN, H2OAttention
-
     example_b = batch_size or 2
     example_t = 3  # not 0/1 (torch.export would specialise) and different from B so the two stay independent
     device = next(graph.parameters()).device
@@ -189,13 +193,24 @@ def _export_program(graph, layers, capacity: int, max_seq_len: int, batch_size: 
             input_names=names_in, output_names=names_out, opset_version=opset,
             custom_translation_table={torch.ops.h2o.attention.default: _h2o_translation},
             optimize=False, verbose=False)
+    _attach_h2o_function(program, opset)
+    return program
+
+
+def _attach_h2o_function(program, opset: int) -> None:
+    """Optimize an exported ONNXProgram whose h2o ops went through ``_h2o_translation`` and add the body of
+    the H2OAttention function they call (the one function every attention kind shares)."""
+    import onnxscript.optimizer
+    from onnxscript import ir
+
+    from .onnx_function import DOMAIN, H2OAttention
+
     # The exporter's own optimize() inlines every function; fold constants but keep H2OAttention a node.
     onnxscript.optimizer.optimize_ir(program.model, inline=False)
     function = ir.serde.deserialize_function(H2OAttention.to_function_proto())
     function.opset_imports[""] = opset  # written with opset 18 ops whose semantics 19..23 keep
     program.model.functions[function.identifier()] = function
     program.model.opset_imports[DOMAIN] = 1
-    return program
 
 
 @contextlib.contextmanager

@@ -6,15 +6,22 @@ exported graph still shows one readable node per layer.
 
 Signature (shapes as in kernels/reference.py; C = cache slots, S = C + T):
 
-    H2OAttention<scale: float, recent: int, sinks: int, policy: int, seed: int>(
+    H2OAttention<scale: float, recent: int, sinks: int, policy: int, seed: int, window: int, softcap: float>(
         q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], positions [B, T] int64, valid [B, T] bool,
         key_cache [B, Hkv, C, D], value_cache [B, Hkv, C, Dv], score_cache [B, Hkv, C] f32,
-        pos_cache [B, Hkv, C] int64)
+        pos_cache [B, Hkv, C] int64, sink_logits [Hq] float)
     -> out [B, Hq, T, Dv], key_cache', value_cache', score_cache', pos_cache'
 
 ``policy`` is the integer code of reference.POLICY_CODES. The body computes the priorities of every policy
 and selects one with Where: the unused ones cost a few element-wise ops over [B, Hkv, S], little next to the
 attention, and one function serves every policy.
+
+The layer's attention kind (kernels/reference.py): ``window`` W (sliding window, 0 = off), ``softcap`` c
+(0 = off) and ``sink_logits``, one learned logit per query head, always present: -inf is "no sink" for that
+head (exp(-inf) adds exactly 0 to the denominator), and the exporter passes all -inf for a layer without
+sinks. One function with an input that is always there, instead of a second variant, keeps one body and one
+schema. Soft-capping and sinks cost nothing when off (their Ifs fold, see "Equivalence" below); an unused
+window costs two boolean Ors, over [B, Hkv, 1, T, S] and [B, Hkv, S].
 
 Precondition (kept by every state this function and reference.empty_state produce): an empty slot
 (position -1) holds zero key, value and score.
@@ -22,6 +29,15 @@ Precondition (kept by every state this function and reference.empty_state produc
 Equivalence with the reference, step by step:
 - attention: the same fp32 masked softmax; cache and block keys are multiplied separately and the logits
   concatenated, which equals attending over the concatenated keys without copying the cache.
+- soft-capping: c * tanh(x / c) in the reference's op order, in an If on the attribute: ONNX Runtime inlines
+  the function with the attribute as a constant and folds the If, so a layer without it runs no Tanh.
+- sink logits: the reference's softmax_with_sink op by op (peak = max(row max, s), exp(x - peak) over
+  sum + exp(s - peak)). -inf gives exp(-inf - peak) = 0 with a finite peak (hidden logits are floored at the
+  fp32 minimum, never -inf), so no NaN. When every sink is -inf an If takes the plain Softmax instead, equal
+  up to rounding; in an exported model the sinks are an initializer, so ONNX Runtime folds that If too.
+- sliding window: keys with p <= t - W are hidden from query t; entries with p <= t1 - W are not live, get
+  priority -inf like empty slots (before sinks and the recent window protect anything) and are never kept,
+  however they rank. Only live entries rank above -inf, so the kept set equals the reference's top-C & live.
 - ranking: keeping the top C of S entries by (priority desc, position desc) is evicting the bottom T by
   (priority asc, position asc). ONNX TopK puts the lower index first among equal values, so a TopK that sorts
   by position followed by a TopK(smallest, k=T) over the gathered priorities reproduces the reference's two
@@ -33,7 +49,8 @@ Equivalence with the reference, step by step:
   overflow columns T + 1 + t (instead of one shared column as in the reference), so ScatterElements never sees
   duplicate indices, whose order ONNX leaves undefined.
 - keys / values: only the slots that change are written (see the comment in the body), with the values the
-  reference's gather-and-blend gives them; the other slots are copied.
+  reference's gather-and-blend gives them; the other slots are copied. With a window, every slot may change
+  (any number of old entries can leave the window when positions jump), so all C are rewritten.
 """
 
 from __future__ import annotations
@@ -52,8 +69,8 @@ H2O_OPSET = Opset(DOMAIN, 1)
 
 
 @script(H2O_OPSET, default_opset=op)
-def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache,
-                 scale: float, recent: int, sinks: int, policy: int, seed: int):
+def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, sink_logits,
+                 scale: float, recent: int, sinks: int, policy: int, seed: int, window: int, softcap: float):
     # ---- shapes (1-D int64 tensors of one element) -----------------------------------------------------
     b = op.Shape(q, start=0, end=1)
     hkv = op.Shape(k, start=1, end=2)
@@ -64,6 +81,9 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     zero_i = op.Constant(value_int=0)
     one_i = op.Constant(value_int=1)
     minus1 = op.Constant(value_int=-1)
+    neg_inf = op.Constant(value_float=float("-inf"))
+    window_c = op.Constant(value_int=window)
+    no_window = op.LessOrEqual(window_c, zero_i)
 
     # ---- the block: padding tokens get position -1 and are never attended nor cached -------------------
     new_pos = op.Where(valid, positions, minus1)                                       # [B, T]
@@ -82,14 +102,31 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     block_t = op.Transpose(op.Cast(k_new, to=FLOAT.dtype), perm=[0, 1, 3, 2])          # [B, Hkv, D, T]
     logits = op.Concat(op.MatMul(qg, keys_t), op.MatMul(qg, block_t), axis=-1)
     logits = op.Mul(logits, op.Constant(value_float=scale))                           # [B, Hkv, G*T, S]
+    cap_c = op.Constant(value_float=softcap)
+    if op.Greater(cap_c, op.Constant(value_float=0.0)):  # folded away by ORT: softcap is a constant
+        logits = op.Mul(op.Tanh(op.Div(logits, cap_c)), cap_c)
+    else:
+        logits = op.Identity(logits)
     logits = op.Reshape(logits, op.Concat(b, hkv, [-1], t, s, axis=0))                 # [B, Hkv, G, T, S]
     kp = op.Unsqueeze(all_pos, [2, 3])                                                 # [B, Hkv, 1, 1, S]
-    causal = op.LessOrEqual(kp, op.Unsqueeze(positions, [1, 2, 4]))                   # over true positions
+    qp = op.Unsqueeze(positions, [1, 2, 4])                                            # [B, 1, 1, T, 1]
+    causal = op.LessOrEqual(kp, qp)                                                    # over true positions
+    in_window = op.Or(no_window, op.Greater(kp, op.Sub(qp, window_c)))               # t - p < W
     visible = op.And(op.And(op.GreaterOrEqual(kp, zero_i), causal), op.Unsqueeze(valid, [1, 2, 4]))
-    # visible: [B, Hkv, 1, T, S]
+    visible = op.And(visible, in_window)                                               # [B, Hkv, 1, T, S]
     # A padding query sees nothing: softmax over a finite floor (no NaN), then zeroed by the mask.
     logits = op.Where(visible, logits, op.Constant(value_float=-3.4028234663852886e38))
-    probs = op.Mul(op.Softmax(logits, axis=-1), op.Cast(visible, to=FLOAT.dtype))      # [B, Hkv, G, T, S]
+    # Query head h = KV head h // G, group member h % G: the sinks take the logits' [Hkv, G] layout.
+    # The condition reads the [Hq] input alone, so that it folds when the sinks are a constant.
+    sink_f = op.Cast(sink_logits, to=FLOAT.dtype)                                      # [Hq]
+    sink = op.Reshape(sink_f, op.Concat([1], hkv, [-1], [1], [1], axis=0))             # [1, Hkv, G, 1, 1]
+    if op.Greater(op.ReduceMax(sink_f, keepdims=0), neg_inf):
+        peak = op.Max(op.ReduceMax(logits, [-1], keepdims=1), sink)
+        weights = op.Exp(op.Sub(logits, peak))
+        probs = op.Div(weights, op.Add(op.ReduceSum(weights, [-1], keepdims=1), op.Exp(op.Sub(sink, peak))))
+    else:
+        probs = op.Softmax(logits, axis=-1)
+    probs = op.Mul(probs, op.Cast(visible, to=FLOAT.dtype))                            # [B, Hkv, G, T, S]
     mass = op.ReduceSum(probs, [2, 3], keepdims=0)                                     # [B, Hkv, S]
     probs = op.Reshape(probs, op.Concat(b, hkv, [-1], s, axis=0))                      # [B, Hkv, G*T, S]
     int_max = op.Constant(value_ints=[9223372036854775807])
@@ -112,7 +149,10 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     protected = op.Or(op.Less(all_pos, op.Constant(value_int=sinks)),
                       op.Greater(all_pos, op.Sub(newest, op.Constant(value_int=recent))))
     priority = op.Where(protected, op.Constant(value_float=float("inf")), by_policy)
-    priority = op.Where(op.Less(all_pos, zero_i), op.Constant(value_float=float("-inf")), priority)
+    # Not live (empty, or out of the window of the newest query): evicted first, whatever its protection.
+    live = op.And(op.GreaterOrEqual(all_pos, zero_i),
+                  op.Or(no_window, op.Greater(all_pos, op.Sub(newest, window_c))))       # [B, Hkv, S]
+    priority = op.Where(live, priority, neg_inf)
 
     # ---- keep the top C of S by (priority desc, position desc) = evict the bottom T ------------------
     # by (priority asc, position asc): sort by position, then TopK(smallest) keeps that order among ties.
@@ -121,7 +161,7 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     evicted_idx = op.GatherElements(by_pos, low, axis=2)                               # [B, Hkv, T]
     evicted = op.ScatterElements(op.ConstantOfShape(op.Shape(all_pos), value=[0]), evicted_idx,
                                  op.Expand(one_i, op.Shape(evicted_idx)), axis=2)      # [B, Hkv, S]
-    keep = op.And(op.Not(op.Cast(evicted, to=BOOL.dtype)), op.GreaterOrEqual(all_pos, zero_i))
+    keep = op.And(op.Not(op.Cast(evicted, to=BOOL.dtype)), live)  # dead entries beyond the bottom T too
 
     # ---- slot-stable assignment: the r-th freed slot gets the r-th kept new token ---------------------
     kept_old = op.Slice(keep, [0], cap, [2])                                           # [B, Hkv, C]
@@ -144,11 +184,13 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     # ---- the new keys / values: rewrite only the slots that change --------------------------------------
     # A slot changes when it is freed and either receives a new token or held an entry (which is evicted
     # and becomes empty). Freed slots that were already empty hold zeros (every empty slot does, from
-    # empty_state and from this function) and stay as they are. At most 2T slots change (T evictions, T
-    # arrivals), so a TopK of min(2T, C) slot indices covers them; the extra indices in that list write
-    # back their own value. One scatter then copies the cache once instead of blending all C x D.
+    # empty_state and from this function) and stay as they are. Without a window at most 2T slots change
+    # (T evictions, T arrivals), so a TopK of min(2T, C) slot indices covers them; the extra indices in that
+    # list write back their own value. One scatter then copies the cache once instead of blending all C x D.
+    # A window can kill any number of old entries at once, so it takes all C (a count from the data would
+    # be a data-dependent TopK k, which a GPU provider must copy to the host).
     changed = op.And(freed, op.Or(filled, op.GreaterOrEqual(pos_cache, zero_i)))      # [B, Hkv, C]
-    m = op.Min(op.Add(t, t), cap)
+    m = op.Where(no_window, op.Min(op.Add(t, t), cap), cap)
     _, slots = op.TopK(op.Cast(changed, to=FLOAT.dtype), m, axis=-1, largest=1, sorted=1)   # [B,Hkv,M]
     slot_changed = op.Unsqueeze(op.GatherElements(changed, slots, axis=2), [3])         # [B, Hkv, M, 1]
     # Row T of [block; zero row] is the empty entry.
@@ -177,10 +219,11 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
 
 _INPUTS = (("q", "T"), ("k", "T"), ("v", "T"), ("positions", "tensor(int64)"), ("valid", "tensor(bool)"),
            ("key_cache", "TC"), ("value_cache", "TC"), ("score_cache", "tensor(float)"),
-           ("pos_cache", "tensor(int64)"))
+           ("pos_cache", "tensor(int64)"), ("sink_logits", "TS"))
 _OUTPUTS = (("out", "T"), ("new_key_cache", "TC"), ("new_value_cache", "TC"),
             ("new_score_cache", "tensor(float)"), ("new_pos_cache", "tensor(int64)"))
-_ATTRIBUTES = (("scale", "FLOAT"), ("recent", "INT"), ("sinks", "INT"), ("policy", "INT"), ("seed", "INT"))
+_ATTRIBUTES = (("scale", "FLOAT"), ("recent", "INT"), ("sinks", "INT"), ("policy", "INT"), ("seed", "INT"),
+               ("window", "INT"), ("softcap", "FLOAT"))
 
 
 def _schema() -> onnx.defs.OpSchema:
@@ -193,7 +236,8 @@ def _schema() -> onnx.defs.OpSchema:
         FUNCTION_NAME, DOMAIN, 1, doc=__doc__,
         inputs=[param(name, ty) for name, ty in _INPUTS],
         outputs=[param(name, ty) for name, ty in _OUTPUTS],
-        type_constraints=[("T", floats, "attention dtype"), ("TC", floats, "cache dtype")],
+        type_constraints=[("T", floats, "attention dtype"), ("TC", floats, "cache dtype"),
+                          ("TS", floats, "sink logits dtype")],
         attributes=[onnx.defs.OpSchema.Attribute(name, getattr(onnx.defs.OpSchema.AttrType, ty), "")
                     for name, ty in _ATTRIBUTES])
 

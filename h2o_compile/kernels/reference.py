@@ -15,6 +15,14 @@ block's queries and over the query heads of its KV group) to its score, then evi
 Slots are stable: a kept entry never moves, and kept new tokens fill the freed slots in increasing slot
 order. The decode fast path (T = 1) therefore writes the new token straight into the evicted slot, which is
 also what the Triton decode kernel does, so every backend produces the same layout.
+
+Per-layer attention kinds (DESIGN.md section 2), constants of a layer, each off by default:
+
+    window W > 0     sliding window: query t sees key p only if t - p < W; a key with p <= t1 - W is dead
+                     (it can never be seen again) and is evicted before any eviction choice.
+    softcap c > 0    logit soft-capping: logits = c * tanh(q . k * scale / c), then the softmax.
+    sink_logits      [Hq] learned attention-sink logits: one extra logit per query head in the softmax
+                     denominator; its share of the probability is dropped, so no key's score gets it.
 """
 
 from __future__ import annotations
@@ -59,8 +67,20 @@ def random_priority(pos: Tensor, seed: int) -> Tensor:
     return x.to(torch.float32)
 
 
+def live_entries(pos: Tensor, newest: Tensor, window: int) -> Tensor:
+    """Entries that hold a token some later query can still see: bool, the shape of ``pos`` [B, Hkv, S].
+
+    Empty slots (-1) are not live, nor, on a sliding-window layer (``window`` > 0), keys that left the window
+    of the newest query t1 (p <= t1 - W). ``newest`` [B, 1, 1] int64."""
+    live = pos >= 0
+    if window > 0:
+        live = live & (pos > newest - window)
+    return live
+
+
 def eviction_priority(
-    policy: str, scores: Tensor, pos: Tensor, newest: Tensor, recent: int, sinks: int, seed: int
+    policy: str, scores: Tensor, pos: Tensor, newest: Tensor, recent: int, sinks: int, seed: int,
+    window: int = 0,
 ) -> Tensor:
     """How much each entry deserves to stay (larger stays); ties are broken by position outside.
 
@@ -68,8 +88,10 @@ def eviction_priority(
         scores: [B, Hkv, S] fp32 accumulated attention.
         pos: [B, Hkv, S] int64 positions, -1 for an empty slot.
         newest: [B, 1, 1] int64, t1 = the newest position of the block in each row.
+        window: sliding window W of the layer, 0 = none.
     Returns:
-        [B, Hkv, S] fp32: +inf for protected entries (sinks and the recent window), -inf for empty slots.
+        [B, Hkv, S] fp32: +inf for protected entries (sinks and the recent window), -inf for entries that are
+        not live (empty slots, keys outside the sliding window), which go first whatever their protection.
     """
     if policy == "h2o":
         key = scores
@@ -81,14 +103,32 @@ def eviction_priority(
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICY_CODES)}")
     protected = (pos < sinks) | (pos > newest - recent)
     key = torch.where(protected, torch.full_like(key, float("inf")), key)
-    return torch.where(pos < 0, torch.full_like(key, float("-inf")), key)
+    return torch.where(live_entries(pos, newest, window), key, torch.full_like(key, float("-inf")))
+
+
+def capped_logits(logits: Tensor, softcap: float) -> Tensor:
+    """Gemma 2's logit soft-capping, c * tanh(x / c); ``softcap`` 0 leaves the logits as they are."""
+    return logits if softcap <= 0 else torch.tanh(logits / softcap) * softcap
+
+
+def softmax_with_sink(logits: Tensor, sink: Optional[Tensor]) -> Tensor:
+    """softmax over the last dim, with one extra logit per row in the denominator when ``sink`` is given.
+
+    logits [..., S] fp32; sink broadcastable to [..., 1] or None. The sink's own probability is dropped, so
+    a row's probabilities sum to less than one (GPT-OSS's learned attention sinks)."""
+    if sink is None:
+        return torch.softmax(logits, dim=-1)
+    peak = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
+    weights = torch.exp(logits - peak)
+    return weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - peak))
 
 
 _LOGITS_PER_CHUNK = 1 << 22  # fp32 logits held at once by `attend` (16 MiB): query chunks stay in cache
 
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: Tensor,
-           query_valid: Tensor, scale: float, new_from: Optional[int] = None) -> tuple[Tensor, Tensor]:
+           query_valid: Tensor, scale: float, new_from: Optional[int] = None, *, window: int = 0,
+           softcap: float = 0.0, sink_logits: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Masked attention that also returns the probability mass each key received.
 
     Queries are processed in chunks, so the [T, S] probabilities never exist at once. With ``new_from`` (the
@@ -99,6 +139,7 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: 
     Args:
         q: [B, Hq, T, D]; keys: [B, Hkv, S, D]; values: [B, Hkv, S, Dv]
         key_pos: [B, Hkv, S] int64 (-1 = nothing there); query_pos: [B, T]; query_valid: [B, T] bool.
+        window, softcap, sink_logits [Hq]: the layer's attention kind (module docstring).
     Returns:
         out [B, Hq, T, Dv] in q's dtype (zeros for invalid queries) and mass [B, Hkv, S] fp32 =
         sum over valid queries t and query heads g of the group of P_{t,g}(key).
@@ -109,18 +150,22 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: 
     qg = q.reshape(b, hkv, group, t, d).float()                                  # [B, Hkv, G, T, D]
     keys, values = keys.float(), values.float()
     chunk = max(1, _LOGITS_PER_CHUNK // (b * hq * s_all))
+    sink = None if sink_logits is None else sink_logits.float().view(1, hkv, group, 1, 1)
     mass = keys.new_zeros(b, hkv, s_all)
     outs = []
     for t0 in range(0, t, chunk):
         t1 = min(t, t0 + chunk)
         s = s_all if new_from is None else min(s_all, new_from + t1)
         kpos = key_pos[:, :, None, None, :s]                                     # [B, Hkv, 1, 1, s]
-        hidden = (kpos < 0) | (kpos > query_pos[:, None, None, t0:t1, None]) | ~query_valid[:, None, None, t0:t1, None]
+        qpos = query_pos[:, None, None, t0:t1, None]                             # [B, 1, 1, tc, 1]
+        hidden = (kpos < 0) | (kpos > qpos) | ~query_valid[:, None, None, t0:t1, None]
+        if window > 0:
+            hidden = hidden | (kpos <= qpos - window)
         q_chunk = qg[:, :, :, t0:t1].reshape(b, hkv, group * (t1 - t0), d)      # [B, Hkv, G*tc, D]
-        logits = torch.matmul(q_chunk, keys[:, :, :s].transpose(2, 3)).mul_(scale)
+        logits = capped_logits(torch.matmul(q_chunk, keys[:, :, :s].transpose(2, 3)).mul_(scale), softcap)
         logits = logits.view(b, hkv, group, t1 - t0, s)                          # [B, Hkv, G, tc, s]
         # A row with nothing visible (a padding query) must not produce NaN: softmax over a finite floor, then zero.
-        probs = torch.softmax(logits.masked_fill_(hidden, torch.finfo(torch.float32).min), dim=-1)
+        probs = softmax_with_sink(logits.masked_fill_(hidden, torch.finfo(torch.float32).min), sink)
         probs.masked_fill_(hidden, 0.0)
         outs.append(torch.matmul(probs.view(b, hkv, group * (t1 - t0), s), values[:, :, :s])
                     .view(b, hkv, group, t1 - t0, -1))
@@ -140,7 +185,8 @@ def _block_inputs(k, positions, valid):
 
 def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                   state: H2OState, *, scale: float, recent: int, sinks: int, policy: str,
-                  seed: int = 0) -> tuple[Tensor, H2OState]:
+                  seed: int = 0, window: int = 0, softcap: float = 0.0,
+                  sink_logits: Optional[Tensor] = None) -> tuple[Tensor, H2OState]:
     """Functional H2O attention over one block of T >= 1 new tokens (the general path).
 
     Args:
@@ -148,6 +194,7 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
         positions: [B, T] int64 true positions of the new tokens.
         valid: [B, T] bool or None; False marks a padding token, which is never attended nor cached.
         state: the layer's cache (C slots).
+        window, softcap, sink_logits [Hq] or None: the layer's attention kind (module docstring).
     Returns:
         out [B, Hq, T, Dv] and the new state. The block attends over C + T keys; ``attend`` takes the queries
         in chunks, so a whole prompt (prefill "full") never holds all [B, Hq, T, C + T] probabilities.
@@ -158,22 +205,23 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
     all_keys = torch.cat([key_cache, k.to(key_cache.dtype)], dim=2)             # [B, Hkv, C+T, D]
     all_values = torch.cat([value_cache, v.to(value_cache.dtype)], dim=2)
     all_pos = torch.cat([pos_cache, new_pos], dim=2)                            # [B, Hkv, C+T]
-    out, mass = attend(q, all_keys, all_values, all_pos, positions, valid, scale, new_from=cap)
+    out, mass = attend(q, all_keys, all_values, all_pos, positions, valid, scale, new_from=cap, window=window,
+                       softcap=softcap, sink_logits=sink_logits)
     all_scores = torch.cat([score_cache, torch.zeros_like(new_pos, dtype=torch.float32)], dim=2) + mass
     new_state = compress(H2OState(all_keys, all_values, all_scores, all_pos), newest, cap, recent=recent,
-                         sinks=sinks, policy=policy, seed=seed)
+                         sinks=sinks, policy=policy, seed=seed, window=window)
     return out, new_state
 
 
 def compress(entries: H2OState, newest: Tensor, cap: int, *, recent: int, sinks: int, policy: str,
-             seed: int = 0) -> H2OState:
+             seed: int = 0, window: int = 0) -> H2OState:
     """Evict down to ``cap`` slots (step 4 of DESIGN.md section 2); shared by every path that attends
     over a whole block first (this file's general path, the Triton prefill).
 
     Args:
         entries: the C old slots followed by the T new tokens, scores already including this block's mass:
             [B, Hkv, C+T, D], [B, Hkv, C+T, Dv], [B, Hkv, C+T] fp32, [B, Hkv, C+T] int64 (-1 = nothing).
-        newest: [B, 1, 1] int64, t1 per row. cap: C.
+        newest: [B, 1, 1] int64, t1 per row. cap: C. window: the layer's sliding window (0 = none).
     Returns:
         The new state (C slots): kept old entries stay in their slots, kept new tokens fill the freed ones.
     """
@@ -181,12 +229,12 @@ def compress(entries: H2OState, newest: Tensor, cap: int, *, recent: int, sinks:
     k = all_keys[:, :, cap:]
     new_pos = all_pos[:, :, cap:]
     # Rank entries by (priority desc, position desc): two stable sorts, position first.
-    priority = eviction_priority(policy, all_scores, all_pos, newest, recent, sinks, seed)
+    priority = eviction_priority(policy, all_scores, all_pos, newest, recent, sinks, seed, window)
     by_pos = torch.sort(all_pos, dim=-1, descending=True, stable=True).indices
     order = torch.sort(priority.gather(-1, by_pos), dim=-1, descending=True, stable=True).indices
     ranked = by_pos.gather(-1, order)                                            # entries, best first
     keep = torch.zeros_like(all_pos, dtype=torch.bool).scatter(
-        -1, ranked[..., :cap], True) & (all_pos >= 0)                            # [B, Hkv, C+T]
+        -1, ranked[..., :cap], True) & live_entries(all_pos, newest, window)     # [B, Hkv, C+T]
 
     kept_old, kept_new = keep[..., :cap], keep[..., cap:]
     freed = ~kept_old                                                            # [B, Hkv, C]
@@ -213,15 +261,19 @@ def compress(entries: H2OState, newest: Tensor, cap: int, *, recent: int, sinks:
     return H2OState(take(all_keys, 0), take(all_values, 0), take(all_scores, 0.0), take(all_pos, -1))
 
 
-def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OState, scale: float
-                  ) -> tuple[Tensor, Tensor, Tensor]:
+def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OState, scale: float,
+                  new_pos: Optional[Tensor] = None, *, window: int = 0, softcap: float = 0.0,
+                  sink_logits: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """One query token per row against the C cached keys and its own key, without concatenating the cache.
 
     The cache is read once (keys for the logits, values for the output); only the [.., C + 1] logits are
-    concatenated. Every cached entry with position >= 0 is visible (it is older than the new token).
+    concatenated. Every cached entry with position >= 0 is visible (it is older than the new token), except,
+    on a sliding-window layer, those at or before new_pos - W.
 
     Args:
         q: [B, Hq, 1, D]; k: [B, Hkv, 1, D]; v: [B, Hkv, 1, Dv]; valid: [B, 1] bool.
+        new_pos: [B, Hkv, 1] int64, the new token's position (needed only with a window).
+        window, softcap, sink_logits [Hq]: the layer's attention kind (module docstring).
     Returns:
         out [B, Hq, 1, Dv] (q's dtype), mass over the cache [B, Hkv, C] and on the new key [B, Hkv, 1] (fp32).
     """
@@ -229,10 +281,14 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
     b, hq, _, d = q.shape
     hkv = key_cache.shape[1]
     qg = q.reshape(b, hkv, hq // hkv, d).float()                                 # [B, Hkv, G, D]
-    cached = torch.matmul(qg, key_cache.float().transpose(2, 3)).mul_(scale)   # [B, Hkv, G, C]
-    cached.masked_fill_((pos_cache < 0)[:, :, None, :], torch.finfo(torch.float32).min)
-    own = (qg * k.float()).sum(-1, keepdim=True) * scale                        # [B, Hkv, G, 1], always visible
-    probs = torch.softmax(torch.cat([cached, own], dim=-1), dim=-1)              # [B, Hkv, G, C+1]
+    cached = capped_logits(torch.matmul(qg, key_cache.float().transpose(2, 3)).mul_(scale), softcap)
+    hidden = pos_cache < 0                                                       # [B, Hkv, C]
+    if window > 0:
+        hidden = hidden | (pos_cache <= new_pos - window)
+    cached.masked_fill_(hidden[:, :, None, :], torch.finfo(torch.float32).min)  # [B, Hkv, G, C]
+    own = capped_logits((qg * k.float()).sum(-1, keepdim=True) * scale, softcap)  # [B, Hkv, G, 1], always visible
+    sink = None if sink_logits is None else sink_logits.float().view(1, hkv, hq // hkv, 1)
+    probs = softmax_with_sink(torch.cat([cached, own], dim=-1), sink)            # [B, Hkv, G, C+1]
     out = torch.matmul(probs[..., :-1], value_cache.float()) + probs[..., -1:] * v.float().reshape(b, hkv, 1, -1)
     # A padding token (valid False) attends nowhere: zero output, zero mass (x 1 leaves the others exact).
     keep = valid.view(b, 1, 1).float()
@@ -243,7 +299,8 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
 
 def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                 state: H2OState, *, scale: float, recent: int, sinks: int, policy: str,
-                seed: int = 0) -> Tensor:
+                seed: int = 0, window: int = 0, softcap: float = 0.0,
+                sink_logits: Optional[Tensor] = None) -> Tensor:
     """In-place H2O attention for one new token (T = 1): the decode step.
 
     Same result as :func:`h2o_attention` with T = 1, without rebuilding the cache: the new token is written
@@ -253,15 +310,16 @@ def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optio
     Args: as :func:`h2o_attention` with T = 1. Returns out [B, Hq, 1, Dv]; ``state`` is updated in place.
     """
     valid, new_pos, newest = _block_inputs(k, positions, valid)                 # new_pos [B, Hkv, 1]
-    out, mass_cache, mass_new = attend_decode(q, k, v, valid, state, scale)
+    out, mass_cache, mass_new = attend_decode(q, k, v, valid, state, scale, new_pos, window=window,
+                                              softcap=softcap, sink_logits=sink_logits)
     evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent, sinks=sinks,
-                     policy=policy, seed=seed)
+                     policy=policy, seed=seed, window=window)
     return out
 
 
 def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, newest: Tensor, valid: Tensor,
                      mass_cache: Tensor, mass_new: Tensor, *, recent: int, sinks: int, policy: str,
-                     seed: int = 0) -> None:
+                     seed: int = 0, window: int = 0) -> None:
     """The decode step after attention: add the step's mass to the scores, pick the slot to overwrite and write
     the new token there. Only elementwise ops, reductions and indexing, so that a compiler can fuse it all
     (the compiled CPU decode step runs this as one generated loop nest per layer).
@@ -269,10 +327,12 @@ def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, new
     Args:
         k: [B, Hkv, 1, D]; v: [B, Hkv, 1, Dv]; new_pos: [B, Hkv, 1] int64 (-1 for padding); newest: [B, 1, 1];
         valid: [B, 1] bool; mass_cache: [B, Hkv, C] and mass_new: [B, Hkv, 1] fp32, from :func:`attend_decode`.
+        window: the layer's sliding window (0 = none). With C <= W (how the runtime sizes a sliding layer) at
+        most one key leaves the window per step, and it is the one overwritten.
     """
     key_cache, value_cache, score_cache, pos_cache = state
     scores = score_cache + mass_cache                                            # [B, Hkv, C]
-    priority = eviction_priority(policy, scores, pos_cache, newest, recent, sinks, seed)
+    priority = eviction_priority(policy, scores, pos_cache, newest, recent, sinks, seed, window)
     lowest = priority == priority.amin(dim=-1, keepdim=True)
     tie_pos = torch.where(lowest, pos_cache, torch.full_like(pos_cache, torch.iinfo(torch.int64).max))
     slot = tie_pos.argmin(dim=-1)                                                # [B, Hkv]
@@ -295,13 +355,15 @@ def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, new
     put(pos_cache, new_pos)
 
 
-def h2o_attention_(q, k, v, positions, valid, state: H2OState, *, scale, recent, sinks, policy, seed=0):
+def h2o_attention_(q, k, v, positions, valid, state: H2OState, *, scale, recent, sinks, policy, seed=0,
+                   window=0, softcap=0.0, sink_logits=None):
     """In-place H2O attention: the decode fast path for T = 1, else the general path copied back."""
+    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits)
     if q.shape[2] == 1:
         return h2o_decode_(q, k, v, positions, valid, state, scale=scale, recent=recent, sinks=sinks,
-                           policy=policy, seed=seed)
+                           policy=policy, seed=seed, **kind)
     out, new_state = h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
-                                   sinks=sinks, policy=policy, seed=seed)
+                                   sinks=sinks, policy=policy, seed=seed, **kind)
     for buf, new in zip(state, new_state):
         buf.copy_(new)
     return out

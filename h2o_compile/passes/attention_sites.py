@@ -4,16 +4,24 @@ Patterns (small documented variants, no per-architecture code):
   1. ``aten.scaled_dot_product_attention(q, k, v, mask?, scale=?, enable_gqa=?)``;
   2. the same fed by transformers' ``repeat_kv`` (unsqueeze(2) -> expand -> reshape), peeled off so only the
      KV heads reach the cache;
-  3. eager: ``matmul(q, k^T) -> mul/div scale -> add mask? -> softmax -> to? -> dropout? -> matmul(., v)``.
+  3. eager: ``matmul(q, k^T) -> mul/div scale -> [soft-cap] -> add mask? -> softmax -> to? -> dropout? ->
+     matmul(., v)``, where the soft-cap is Gemma 2's ``mul(tanh(div(x, cap)), cap)``;
+  4. eager with learned attention sinks (GPT-OSS): the masked logits are concatenated with one sink logit per
+     query head (a parameter [Hq] reshaped and expanded), shifted by their max, soft-maxed, and the sink
+     column sliced off before the product with v.
 
 A node that looks like attention but cannot be served (additive float masks that may carry a position bias,
-logit soft-capping, cross-attention) yields a :class:`Decline` that names the node and the reason; the
-caller decides whether that is an error.
+other score transforms, cross-attention) yields a :class:`Decline` that names the node and the reason; the
+caller decides whether that is an error. Each site also records which decoder layer it belongs to (from
+the module path torch.export keeps in ``node.meta["nn_module_stack"]``), so per-layer settings from the
+config are matched to sites by layer, not by graph order alone.
 """
 
 from __future__ import annotations
 
 import math
+import operator
+import re
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -38,6 +46,9 @@ class AttentionSite:
     value: Node
     scale: float
     pattern: str
+    softcap: float = 0.0            # logit soft-capping c (0 = none)
+    sink: Optional[Node] = None     # learned sink logits [Hq], None = none
+    layer: Optional[int] = None     # decoder layer index from the module path, None if the graph does not say
 
 
 @dataclass
@@ -83,6 +94,64 @@ def _skip_passthrough(node):
     return node
 
 
+def _is_call(node, *targets) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in targets
+
+
+def _last_dim(node: Node, dim) -> bool:
+    val = _val(node)
+    return dim == -1 or (val is not None and dim == val.dim() - 1)
+
+
+_LAYER_INDEX = re.compile(r"\.(\d+)(?:\.|$)")
+
+
+def module_layer(node: Node) -> Optional[int]:
+    """The decoder layer a node was traced in: the first integer component of its innermost module path
+    (``model.layers.3.self_attn`` -> 3, ``transformer.h.0.attn`` -> 0), None if the graph does not say."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    found = _LAYER_INDEX.search("." + str(path))
+    return int(found.group(1)) if found else None
+
+
+def _strip_max_shift(node):
+    """``sub(x, max(x, -1, keepdim).values)`` -> x: the shift a softmax does not see."""
+    if not _is_call(node, aten.sub.Tensor):
+        return node
+    x, peak = node.args
+    if _is_call(peak, operator.getitem):
+        peak = peak.args[0]
+    if _is_call(peak, aten.max.dim, aten.amax.default) and peak.args[0] is x:
+        return x
+    return node
+
+
+def _sink_parameter(node) -> Optional[Node]:
+    """The [Hq] tensor behind ``param.reshape(1, -1, 1, 1).expand(B, -1, T, 1)``, None if it is not that."""
+    while _is_call(node, aten.expand.default, *_VIEWS, *_PASSTHROUGH):
+        node = node.args[0]
+    val = _val(node)
+    return node if val is not None and val.dim() == 1 else None
+
+
+def _strip_softcap(logits) -> tuple[object, float]:
+    """``mul(tanh(div(x, c)), c)`` -> (x, c); anything else -> (logits, 0.0)."""
+    if _is_call(logits, aten.mul.Tensor) and isinstance(logits.args[1], (int, float)):
+        tanh = logits.args[0]
+        if _is_call(tanh, aten.tanh.default):
+            inner = tanh.args[0]
+            cap = float(logits.args[1])
+            if _is_call(inner, aten.div.Tensor) and inner.args[1] == cap:
+                return inner.args[0], cap
+            if _is_call(inner, aten.mul.Tensor) and isinstance(inner.args[1], (int, float)) and \
+                    math.isclose(inner.args[1] * cap, 1.0, rel_tol=1e-6):
+                return inner.args[0], cap
+    return logits, 0.0
+
+
 def _check_self_attention(node: Node, q: Node, k: Node, v: Node) -> Optional[Decline]:
     qv, kv, vv = _val(q), _val(k), _val(v)
     if qv is None or kv is None or vv is None:
@@ -110,10 +179,10 @@ def match_sdpa(node: Node) -> Union[AttentionSite, Decline, None]:
     declined = _check_self_attention(node, q, k, v)
     if declined:
         return declined
-    scale = node.kwargs.get("scale")
+    scale = _arg(node, 6, "scale")
     if scale is None:
         scale = 1.0 / math.sqrt(_val(q).shape[-1])
-    return AttentionSite(node, q, k, v, float(scale), "sdpa")
+    return AttentionSite(node, q, k, v, float(scale), "sdpa", layer=module_layer(node))
 
 
 def match_eager(node: Node) -> Union[AttentionSite, Decline, None]:
@@ -122,13 +191,26 @@ def match_eager(node: Node) -> Union[AttentionSite, Decline, None]:
         return None
     probs, v = node.args
     softmax = _skip_passthrough(probs)
+    sliced = _is_call(softmax, aten.slice.Tensor) and _last_dim(softmax.args[0], softmax.args[1]) and \
+        tuple(softmax.args[2:4]) == (0, -1)
+    if sliced:  # probs[..., :-1]: a sink column is dropped
+        softmax = _skip_passthrough(softmax.args[0])
     if not (isinstance(softmax, Node) and softmax.target in _SOFTMAX):
         return None
     if softmax.args[1] not in (-1, 3):
         return Decline(node, f"softmax over dim {softmax.args[1]}, expected the last dim")
-    logits = softmax.args[0]
+    logits, sink = softmax.args[0], None
+    if sliced:
+        concat = _skip_passthrough(_strip_max_shift(logits))
+        if not (_is_call(concat, aten.cat.default) and len(concat.args[0]) == 2 and
+                _last_dim(concat, concat.args[1] if len(concat.args) > 1 else 0)):
+            return Decline(node, "the softmax's last column is dropped but its input is not cat([logits, sinks])")
+        logits, sink = concat.args[0][0], _sink_parameter(concat.args[0][1])
+        if sink is None:
+            return Decline(node, "the extra softmax column is not a per-head parameter (learned sinks [Hq])")
     if isinstance(logits, Node) and logits.target is aten.add.Tensor:
         logits = logits.args[0]  # the additive causal/padding mask: our op masks by position instead
+    logits, softcap = _strip_softcap(logits)
     scale = 1.0
     if isinstance(logits, Node) and logits.target in (aten.mul.Tensor, aten.div.Tensor) and \
             isinstance(logits.args[1], (int, float)):
@@ -143,7 +225,11 @@ def match_eager(node: Node) -> Union[AttentionSite, Decline, None]:
         return Decline(node, "keys are not transposed as k.transpose(2, 3)")
     k, v = peel_repeat_kv(kt.args[0]), peel_repeat_kv(v)
     declined = _check_self_attention(node, q, k, v)
-    return declined or AttentionSite(node, q, k, v, float(scale), "eager")
+    if declined is None and sink is not None and _val(sink).shape[0] != _val(q).shape[1]:
+        declined = Decline(node, f"sink logits of shape {tuple(_val(sink).shape)} for {_val(q).shape[1]} query heads")
+    pattern = "eager+sinks" if sink is not None else "eager"
+    return declined or AttentionSite(node, q, k, v, float(scale), pattern, softcap=softcap, sink=sink,
+                                     layer=module_layer(node))
 
 
 def find_attention_sites(graph: torch.fx.Graph) -> tuple[list[AttentionSite], list[Decline]]:

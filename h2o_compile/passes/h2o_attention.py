@@ -5,7 +5,9 @@ After:  ``forward(input_ids, position_ids, valid, *state) -> logits`` (in place:
         ``-> (logits, *new_state)`` (functional, for export), where ``state`` is, per layer i, the four
         tensors key/value/score/position of kernels/reference.py, named ``layer{i}_key`` ... as placeholders.
 The mask nodes become dead and are removed. The H2O parameters (recent window, sinks, policy, seed) are
-constants of the op nodes; :func:`set_h2o_params` updates them when the capacity changes.
+constants of the op nodes; :func:`set_h2o_params` updates them when the capacity changes. Each layer's
+attention kind (sliding window from the config; soft-cap and learned sink logits from the graph) follows them
+as the op's last three arguments.
 """
 
 from __future__ import annotations
@@ -23,18 +25,22 @@ STATE_FIELDS = ("key", "value", "score", "position")
 _INPLACE = torch.ops.h2o.attention_.default
 _FUNCTIONAL = torch.ops.h2o.attention.default
 # Argument index of the first H2O parameter (recent) in the op schema:
-# (q, k, v, positions, valid, 4 x state, scale, recent, sinks, policy, seed)
+# (q, k, v, positions, valid, 4 x state, scale, recent, sinks, policy, seed, window, softcap, sink_logits)
 _PARAMS_AT = 10
+_PARAMS_END = 14
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What one layer's cache must hold: KV heads, key and value head dims, dtype."""
+    """What one layer's cache must hold (KV heads, key and value head dims, dtype) and how it attends."""
 
     kv_heads: int
     head_dim: int
     value_dim: int
     dtype: torch.dtype
+    window: int = 0         # sliding window W, 0 = full attention
+    softcap: float = 0.0    # logit soft-capping, 0 = none
+    sinks: bool = False     # learned attention-sink logits
 
 
 def state_names(layer: int) -> list[str]:
@@ -42,11 +48,16 @@ def state_names(layer: int) -> list[str]:
 
 
 def rewrite_attention(gm: GraphModule, sites: list[AttentionSite], *, functional: bool = False,
-                      recent: int = 1, sinks: int = 0, policy: str = "h2o", seed: int = 0) -> list[LayerSpec]:
+                      windows=None, recent: int = 1, sinks: int = 0, policy: str = "h2o",
+                      seed: int = 0) -> list[LayerSpec]:
     """Replace ``sites`` (from find_attention_sites) by H2O ops; returns one LayerSpec per rewritten site.
 
+    ``windows``: per site, the sliding window W of its layer (0 = full attention); None = all full.
     The number of rewrites is ``len(result)``. The graph is linted and recompiled.
     """
+    windows = [0] * len(sites) if windows is None else list(windows)
+    if len(windows) != len(sites):
+        raise ValueError(f"{len(windows)} windows for {len(sites)} attention sites")
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != 2:
@@ -60,7 +71,8 @@ def rewrite_attention(gm: GraphModule, sites: list[AttentionSite], *, functional
     specs, new_state, last = [], [], valid
     for layer, site in enumerate(sites):
         k_val, v_val = site.key.meta["val"], site.value.meta["val"]
-        spec = LayerSpec(int(k_val.shape[1]), int(k_val.shape[3]), int(v_val.shape[3]), k_val.dtype)
+        spec = LayerSpec(int(k_val.shape[1]), int(k_val.shape[3]), int(v_val.shape[3]), k_val.dtype,
+                         window=int(windows[layer]), softcap=site.softcap, sinks=site.sink is not None)
         specs.append(spec)
         state = []
         for name in state_names(layer):
@@ -68,7 +80,7 @@ def rewrite_attention(gm: GraphModule, sites: list[AttentionSite], *, functional
                 last = graph.placeholder(name)
             state.append(last)
         args = (site.query, site.key, site.value, position_ids, valid, *state, site.scale, recent, sinks, policy,
-                seed)
+                seed, spec.window, spec.softcap, site.sink)
         with graph.inserting_before(site.node):
             if functional:
                 result = graph.call_function(_FUNCTIONAL, args)
@@ -88,15 +100,21 @@ def rewrite_attention(gm: GraphModule, sites: list[AttentionSite], *, functional
     return specs
 
 
-def set_h2o_params(gm: GraphModule, *, recent: int, sinks: int, policy: str, seed: int) -> int:
-    """Set the H2O constants of every h2o op node; returns how many nodes changed (recompiles if any)."""
+def set_h2o_params(gm: GraphModule, *, recent, sinks, policy: str, seed: int) -> int:
+    """Set the H2O constants of every h2o op node; returns how many nodes changed (recompiles if any).
+
+    ``recent`` and ``sinks``: one int for every layer, or a sequence with one per layer (graph order)."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_INPLACE, _FUNCTIONAL)]
+    recent = [recent] * len(nodes) if isinstance(recent, int) else list(recent)
+    sinks = [sinks] * len(nodes) if isinstance(sinks, int) else list(sinks)
+    if not len(recent) == len(sinks) == len(nodes):
+        raise ValueError(f"{len(recent)} recent windows and {len(sinks)} sink counts for {len(nodes)} h2o ops")
     changed = 0
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in (_INPLACE, _FUNCTIONAL):
-            params = (recent, sinks, policy, seed)
-            if tuple(node.args[_PARAMS_AT:]) != params:
-                node.args = node.args[:_PARAMS_AT] + params
-                changed += 1
+    for node, layer_recent, layer_sinks in zip(nodes, recent, sinks):
+        params = (layer_recent, layer_sinks, policy, seed)
+        if tuple(node.args[_PARAMS_AT:_PARAMS_END]) != params:
+            node.args = node.args[:_PARAMS_AT] + params + node.args[_PARAMS_END:]
+            changed += 1
     if changed:
         gm.recompile()
     return changed

@@ -30,6 +30,8 @@ class EvalSettings:
     gen_new_tokens: int = 128
     gen_prompts: int = 8
     compile: object = True
+    compress_sliding: bool = False  # sliding-window layers under the budget too (H2OConfig.compress_sliding)
+    h2o_sinks: int = 0              # > 0: also h2o with that many sink tokens, reported as "h2o+<n>sinks"
 
     def __post_init__(self) -> None:
         if not self.budgets or any(not (0 < b <= 1) for b in self.budgets):
@@ -46,6 +48,9 @@ class EvalResult:
     settings: dict
     perplexity: dict = field(default_factory=dict)     # policy -> {budget: ppl}
     agreement: dict = field(default_factory=dict)      # policy -> {budget: {"rouge_l": .., "prefix": ..}}
+    kv_bytes: dict = field(default_factory=dict)       # policy -> {budget: H2O state bytes per sequence}
+    reference_bytes: dict = field(default_factory=dict)  # per sequence: "full" (every token, every layer) and
+    #                                                      "transformers" (DynamicCache(config=...))
 
 
 def read_tail(path, fraction: float = 0.1) -> str:
@@ -111,9 +116,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _configs(settings: EvalSettings):
-    for policy in settings.policies:
+    """(label, policy, sink_tokens, budget) for every configuration the sweep runs."""
+    variants = [(policy, policy, None if policy in ("sink", "full") else 0) for policy in settings.policies]
+    if settings.h2o_sinks:
+        variants.append((f"h2o+{settings.h2o_sinks}sinks", "h2o", settings.h2o_sinks))
+    for label, policy, sinks in variants:
         for budget in ([1.0] if policy == "full" else settings.budgets):
-            yield policy, budget
+            yield label, policy, sinks, budget
 
 
 def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSettings] = None,
@@ -128,15 +137,20 @@ def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSett
     configs = list(_configs(settings))
     reference_tokens = None
     bar = tqdm(configs, desc="eval", disable=not progress)
-    for policy, budget in bar:
-        bar.set_postfix_str(f"{policy} @ {budget}")
-        sink = None if policy in ("sink", "full") else 0
-        h2o = optimize(model, budget=budget, policy=policy, sink_tokens=sink, compile=settings.compile)
+    for label, policy, sink, budget in bar:
+        bar.set_postfix_str(f"{label} @ {budget}")
+        h2o = optimize(model, budget=budget, policy=policy, sink_tokens=sink, compile=settings.compile,
+                       compress_sliding=settings.compress_sliding)
         nll, count = 0.0, 0
         for start in range(0, len(seqs), settings.batch_size):
-            part_nll, part_count = streaming_nll(h2o, seqs[start:start + settings.batch_size], settings.prompt_len)
+            part = seqs[start:start + settings.batch_size]
+            part_nll, part_count = streaming_nll(h2o, part, settings.prompt_len)
             nll, count = nll + part_nll, count + part_count
-        result.perplexity.setdefault(policy, {})[budget] = math.exp(nll / count)
+        result.perplexity.setdefault(label, {})[budget] = math.exp(nll / count)
+        result.kv_bytes.setdefault(label, {})[budget] = h2o.kv_cache_bytes() // len(part)
+        result.reference_bytes = {"full": h2o.full_cache_bytes(1, settings.seq_len),
+                                  "transformers": h2o.hf_cache_bytes(1, settings.seq_len),
+                                  "sliding_layers": sum(spec.window > 0 for spec in h2o.layers)}
         tokens = h2o.generate(prompts, max_new_tokens=settings.gen_new_tokens, eos_token_id=[],
                               pad_token_id=0)[:, settings.gen_prompt_len:].tolist()
         if reference_tokens is None:
@@ -145,6 +159,6 @@ def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSett
             reference_tokens = tokens
         scores = [rouge_l(c, r) for c, r in zip(tokens, reference_tokens)]
         prefixes = [common_prefix(c, r) for c, r in zip(tokens, reference_tokens)]
-        result.agreement.setdefault(policy, {})[budget] = {"rouge_l": sum(scores) / len(scores),
+        result.agreement.setdefault(label, {})[budget] = {"rouge_l": sum(scores) / len(scores),
                                                             "prefix": sum(prefixes) / len(prefixes)}
     return result

@@ -16,8 +16,18 @@ def result_rows(result: EvalResult):
         for budget, ppl in sorted(by_budget.items()):
             agree = result.agreement[policy][budget]
             ratio = ppl / full_ppl if full_ppl else float("nan")
-            rows.append((policy, budget, ppl, ratio, agree["rouge_l"], agree["prefix"]))
+            kv = result.kv_bytes.get(policy, {}).get(budget)
+            kv_mib = f"{kv / 2**20:.2f}" if kv is not None else "-"
+            rows.append((policy, budget, ppl, ratio, agree["rouge_l"], agree["prefix"], kv_mib))
     return rows
+
+
+def _sliding_note(result: EvalResult) -> str:
+    count = result.reference_bytes.get("sliding_layers", 0)
+    if not count:
+        return ""
+    how = "are compressed to the budget too" if result.settings.get("compress_sliding") else "keep their window"
+    return f" The model's {count} sliding-window layers {how}."
 
 
 def write_eval_report(result: EvalResult, out_dir, *, model_name: str, text_names, elapsed_s: float) -> dict:
@@ -30,8 +40,13 @@ def write_eval_report(result: EvalResult, out_dir, *, model_name: str, text_name
 
     rows = result_rows(result)
     s = result.settings
-    table = markdown_table(["policy", "budget", "perplexity", "x full", "ROUGE-L vs full", "tokens before divergence"],
-                           rows)
+    table = markdown_table(["policy", "budget", "perplexity", "x full", "ROUGE-L vs full", "tokens before divergence",
+                            "KV MiB / seq"], rows)
+    refs = result.reference_bytes
+    ref_note = (f"KV MiB / seq: the H2O state (keys, values, fp32 scores, int64 positions) per sequence; a cache of "
+                f"every token of every layer holds {refs['full'] / 2**20:.2f} MiB and transformers' own "
+                f"DynamicCache {refs['transformers'] / 2**20:.2f} MiB at {s['seq_len']} tokens.{_sliding_note(result)}"
+                "\n\n") if refs else ""
     paths["markdown"].write_text(
         f"# Quality vs KV budget: {model_name}\n\n"
         f"Command: `{header['command']}`  \nMachine: {header['machine']}  \nTexts: {', '.join(map(str, text_names))}"
@@ -41,7 +56,7 @@ def write_eval_report(result: EvalResult, out_dir, *, model_name: str, text_name
         f"comes from the compressed cache. Generation agreement: greedy {s['gen_new_tokens']} tokens after "
         f"{s['gen_prompts']} prompts of {s['gen_prompt_len']} tokens, compared with the full cache. "
         "Budget = fraction of the sequence kept.\n\n"
-        f"{table}\n\n![perplexity vs budget]({paths['plot'].name})\n")
+        f"{ref_note}{table}\n\n![perplexity vs budget]({paths['plot'].name})\n")
 
     series = {policy: (sorted(by), [by[b] for b in sorted(by)]) for policy, by in result.perplexity.items()
               if policy != "full"}

@@ -1,8 +1,9 @@
-"""Small models that ship with h2o_compile.
+"""Models that run offline.
 
-``load_tiny()`` returns the tiny Llama trained by ``benchmarks/train_tiny_lm.py`` (recipe in
-:mod:`h2o_compile.zoo.train`, model card in ``h2o_compile/assets/tiny-llama/README.md``). Everything is
-loaded from the package folder: no network, no model hub.
+``load_gemma3_270m()`` returns Gemma 3 270M from its PyPI weight packages (the ``gemma`` extra; see
+:mod:`h2o_compile.zoo.gemma`). ``load_tiny()`` returns the tiny Llama trained by
+``benchmarks/train_tiny_lm.py`` (recipe in :mod:`h2o_compile.zoo.train`, model card in
+``h2o_compile/assets/tiny-llama/README.md``), loaded from the package folder. No network, no model hub.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from pathlib import Path
 
 import torch
 
+from .gemma import gemma3_270m_path, load_gemma3_270m, load_gguf
+
 TINY_LLAMA_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
 
-__all__ = ["TINY_LLAMA_DIR", "load_tiny"]
+__all__ = ["TINY_LLAMA_DIR", "gemma3_270m_path", "load_gemma3_270m", "load_gguf", "load_tiny"]
 
 
 def load_tiny(dtype: torch.dtype = torch.float32):

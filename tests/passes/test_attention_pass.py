@@ -74,7 +74,12 @@ def test_set_h2o_params_updates_every_op():
     rewrite_attention(gm, sites)
     assert set_h2o_params(gm, recent=3, sinks=1, policy="random", seed=9) == 2
     assert set_h2o_params(gm, recent=3, sinks=1, policy="random", seed=9) == 0
-    assert all(n.args[10:] == (3, 1, "random", 9) for n in gm.graph.nodes if "h2o" in str(n.target))
+    assert all(n.args[10:14] == (3, 1, "random", 9) for n in gm.graph.nodes if "h2o" in str(n.target))
+    # per-layer values (sliding-window layers get their own recent window and no sinks)
+    assert set_h2o_params(gm, recent=[2, 4], sinks=[0, 1], policy="random", seed=9) == 2
+    ops = [n for n in gm.graph.nodes if "h2o" in str(n.target)]
+    assert [n.args[10:14] for n in ops] == [(2, 0, "random", 9), (4, 1, "random", 9)]
+    assert all(n.args[14:] == (0, 0.0, None) for n in ops)  # the layer kinds are untouched
 
 
 class _Toy(torch.nn.Module):
@@ -100,6 +105,9 @@ class _Toy(torch.nn.Module):
         if self.variant == "softcap":
             logits = torch.tanh(q @ k.transpose(2, 3) / 30.0) * 30.0
             return torch.softmax(logits, dim=-1) @ v
+        if self.variant == "tanh":  # tanh with a different cap outside than inside: not Gemma 2's soft-cap
+            logits = torch.tanh(q @ k.transpose(2, 3) / 30.0) * 20.0
+            return torch.softmax(logits, dim=-1) @ v
         if self.variant == "cross":
             kv = self.proj(y)[..., 16:]
             k = kv[..., :8].reshape(b, y.shape[1], 2, 4).transpose(1, 2).repeat_interleave(2, 1)
@@ -123,7 +131,7 @@ def test_sdpa_with_enable_gqa_is_matched_with_kv_heads():
 
 @pytest.mark.parametrize("variant,reason", [
     ("alibi", "additive float mask"),
-    ("softcap", "soft-capping"),
+    ("tanh", "score transforms"),
     ("cross", "cross-attention"),
 ])
 def test_unsupported_variants_are_declined_with_a_reason(variant, reason):
@@ -132,9 +140,25 @@ def test_unsupported_variants_are_declined_with_a_reason(variant, reason):
     assert len(declines) == 1 and reason in declines[0].reason
 
 
+def test_soft_capping_is_read_from_the_graph():
+    (site,), declines = find_attention_sites(_toy_graph("softcap"))
+    assert declines == [] and site.softcap == 30.0 and site.scale == 1.0 and site.pattern == "eager"
+
+
+def test_a_layer_kind_the_pass_cannot_serve_is_declined_naming_the_layer():
+    from types import SimpleNamespace
+
+    from h2o_compile.support import layer_windows
+
+    config = SimpleNamespace(num_hidden_layers=3, sliding_window=8,
+                             layer_types=["sliding_attention", "full_attention", "chunked_attention"])
+    with pytest.raises(h2o_compile.UnsupportedModelError, match="layer 2 has attention kind 'chunked_attention'"):
+        layer_windows(config)
+    config.layer_types = config.layer_types[:2] + ["sliding_attention"]
+    assert layer_windows(config) == (8, 0, 8)
+
+
 @pytest.mark.parametrize("config,match", [
-    (transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8), "soft-capping"),
     (transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4), "ALiBi"),
 ])
 def test_optimize_rejects_unsupported_models(config, match):

@@ -120,13 +120,16 @@ def test_optimize_rejects_non_models():
         h2o_compile.optimize(torch.nn.Linear(2, 2))
 
 
-def test_sliding_window_longer_than_sequence_is_served_and_beyond_is_an_error():
+def test_sliding_window_on_every_layer_is_served_beyond_the_window():
+    """Mistral-style config: ``sliding_window`` without ``layer_types`` makes every layer a sliding one."""
     model = build("mistral")
-    model.config.sliding_window = 16
+    model.config.sliding_window = 8
     opt = h2o_compile.optimize(model, budget=1.0, compile=False)
-    opt.generate(torch.randint(1, VOCAB, (1, 6)), max_new_tokens=10)
-    with pytest.raises(h2o_compile.UnsupportedModelError, match="sliding window \\(16\\)"):
-        opt.generate(torch.randint(1, VOCAB, (1, 6)), max_new_tokens=11)
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    ours = opt.generate(ids, max_new_tokens=26)
+    assert opt.layer_capacities == [8, 8]
+    theirs = model.generate(ids, max_new_tokens=26, do_sample=False)
+    assert torch.equal(ours, theirs)
 
 
 def test_many_compiled_models_in_one_process_do_not_share_a_recompile_limit(llama):

@@ -1,0 +1,126 @@
+"""Families with per-layer attention kinds (sliding-window layers, Gemma 2's soft-capping, GPT-OSS's learned
+sinks), built from small random-weight configs with a 16-token window and run several windows long:
+(a) a budget covering the sequence == transformers' own generate, left padding included; (b) an evicting
+int budget == the independent simulation inside transformers, sliding layers as window caches and compressed;
+(c) compiled == eager without graph breaks; plus the per-layer cache accounting against transformers' cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import h2o_compile
+
+from .arch_configs import HYBRID, VOCAB, WINDOW, build
+from .hf_simulation import simulate_logits
+
+NAMES = list(HYBRID)
+LENGTH = 4 * WINDOW  # every test sequence is several windows long
+
+
+def padded_prompts(seed=0, length=40, pad=7):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (2, length), generator=gen)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, :pad] = 0
+    ids[1, :pad] = 0
+    return ids, mask
+
+
+def test_the_pass_reads_each_layers_kind():
+    kinds = {name: [(s.window, s.softcap, s.sinks) for s in h2o_compile.optimize(build(name), compile=False).layers]
+             for name in NAMES}
+    assert kinds["gemma3"] == [(WINDOW, 0.0, False), (0, 0.0, False), (WINDOW, 0.0, False)]
+    assert kinds["gemma2"] == [(WINDOW, 1.5, False), (0, 1.5, False), (WINDOW, 1.5, False)]
+    assert kinds["gpt_oss"] == [(WINDOW, 0.0, True), (0, 0.0, True), (WINDOW, 0.0, True)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_full_budget_generate_equals_transformers(name):
+    model = build(name)
+    opt = h2o_compile.optimize(model, budget=1.0, compile=False)
+    ids, mask = padded_prompts()
+    ours = opt.generate(ids, attention_mask=mask, max_new_tokens=LENGTH - 40 + 8, pad_token_id=0)
+    theirs = model.generate(ids, attention_mask=mask, max_new_tokens=LENGTH - 40 + 8, do_sample=False,
+                            pad_token_id=0)
+    assert opt.layer_capacities == [WINDOW, LENGTH + 8, WINDOW]
+    assert ours.shape == theirs.shape
+    assert torch.equal(ours, theirs), f"first mismatch at {(ours != theirs).nonzero()[:1].tolist()}"
+
+
+def _run_blocks(opt, ids, blocks):
+    opt.reset(ids.shape[0], ids.shape[1])
+    out, start = [], 0
+    for size in blocks:
+        out.append(opt.step(ids[:, start:start + size]))
+        start += size
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("compress", [False, True], ids=["window-cache", "compressed"])
+@pytest.mark.parametrize("name", NAMES)
+def test_evicting_budget_equals_simulation(name, compress):
+    model = build(name, seed=1)
+    budget, sinks = 10, 1
+    opt = h2o_compile.optimize(model, budget=budget, sink_tokens=sinks, compile=False, compress_sliding=compress)
+    ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
+    blocks = [20] + [1] * (LENGTH - 20)
+
+    def layer_args(layer, window):  # DESIGN.md section 2, written out independently of H2OConfig
+        if window is None:
+            return dict(capacity=budget, recent=round(budget * 0.5), sinks=sinks)
+        if not compress:
+            return dict(capacity=window, recent=window, sinks=0)
+        slots = min(budget, window)
+        return dict(capacity=slots, recent=max(1, round(slots * 0.5)), sinks=sinks)
+
+    ours = _run_blocks(opt, ids, blocks)
+    want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
+                           layer_args=layer_args)
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+    sliding = opt.kept_positions(0)
+    assert sliding.shape[-1] == (budget if compress else WINDOW)
+    assert (sliding > LENGTH - 1 - WINDOW).all(), "a sliding layer kept a key that left its window"
+    assert opt.kept_positions(1).shape[-1] == budget
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compiled_decode_equals_eager_without_graph_breaks(name):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build(name, seed=2)
+    eager = h2o_compile.optimize(model, budget=8, compile=False, compress_sliding=True)
+    compiled = h2o_compile.optimize(model, budget=8, compile=True, compress_sliding=True)
+    ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 6), generator=torch.Generator().manual_seed(4))
+    for opt in (eager, compiled):
+        opt.reset(2, ids.shape[1])
+    torch.testing.assert_close(compiled.step(ids[:, :10]), eager.step(ids[:, :10]))
+    for i in range(10, ids.shape[1]):
+        torch.testing.assert_close(compiled.step(ids[:, i:i + 1]), eager.step(ids[:, i:i + 1]), rtol=1e-4,
+                                   atol=1e-4)
+    for layer in range(3):
+        assert torch.equal(compiled.kept_positions(layer), eager.kept_positions(layer))
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_cache_bytes_per_layer_and_transformers_cache():
+    model = build("gemma3")
+    opt = h2o_compile.optimize(model, budget=0.25, compile=False)
+    ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(5))
+    opt.reset(2, LENGTH)
+    opt.step(ids)
+    per_layer = opt.layer_cache_bytes()
+    slot_bytes = 2 * 2 * (16 + 16) * 4 + 2 * 2 * (4 + 8)  # B * Hkv * (key + value fp32) + score fp32 + pos int64
+    assert per_layer == [WINDOW * slot_bytes, LENGTH // 4 * slot_bytes, WINDOW * slot_bytes]
+    assert opt.kv_cache_bytes() == sum(per_layer)
+
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    assert opt.hf_cache_bytes(2, LENGTH) == held
+    assert opt.full_cache_bytes(2, LENGTH) == 3 * 2 * 2 * LENGTH * (16 + 16) * 4
