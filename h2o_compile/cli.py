@@ -40,22 +40,6 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def _load_gemma(dtype):
-    from .zoo import load_gemma3_270m
-
-    return load_gemma3_270m(dtype)
-
-
-def _load_tiny(dtype):
-    from .zoo import load_tiny
-
-    return load_tiny(dtype)
-
-
-# --model names that need no path: the models of h2o_compile.zoo.
-NAMED_MODELS = {"gemma3-270m": _load_gemma, "tiny": _load_tiny}
-
-
 def load_local(path: str, dtype: str = "float32"):
     """(model, tokenizer) from a local folder, a local ``.gguf`` file, or a zoo name (``gemma3-270m``,
     ``tiny``); never from a hub."""
@@ -64,8 +48,10 @@ def load_local(path: str, dtype: str = "float32"):
 
     folder = Path(path)
     torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    if path in NAMED_MODELS:
-        return NAMED_MODELS[path](torch_dtype)
+    from . import zoo
+
+    if path in zoo.MODELS:
+        return zoo.load_model(path, torch_dtype)
     if folder.suffix == ".gguf":
         from .zoo import load_gguf
 
@@ -74,7 +60,7 @@ def load_local(path: str, dtype: str = "float32"):
         return load_gguf(folder, torch_dtype)
     if not (folder / "config.json").is_file():
         raise SystemExit(f"error: --model {path!r} is not a folder with a config.json, a .gguf file, or one of "
-                         f"{', '.join(NAMED_MODELS)} (only local models load)")
+                         f"{', '.join(zoo.MODELS)} (only local models load)")
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch_dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model, tokenizer
@@ -176,7 +162,9 @@ def cmd_eval(args) -> int:
 def _model_name(path) -> str:
     if not path or path == "tiny":
         return "tiny-llama"
-    return path if path in NAMED_MODELS else Path(path).name
+    from . import zoo
+
+    return path if path in zoo.MODELS else Path(path).name
 
 
 def _model_or_tiny(path):
@@ -190,7 +178,7 @@ def _model_or_tiny(path):
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
-    run_demo(out_dir=args.out, new_tokens=args.max_new_tokens, budget=args.budget)
+    run_demo(model=args.model, out_dir=args.out, new_tokens=args.max_new_tokens, budget=args.budget)
     return 0
 
 
@@ -327,10 +315,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     exp.set_defaults(func=cmd_export)
 
-    demo = sub.add_parser("demo", help="offline demo: the shipped model, full cache vs H2O at 20%%")
+    demo = sub.add_parser("demo", help="offline demo: Gemma 3 270M (or the tiny model), full cache vs H2O at 20%%")
+    demo.add_argument("--model", default="gemma3-270m", help="gemma3-270m (default; the gemma extra) or tiny")
     demo.add_argument("--max-new-tokens", type=int, default=64)
     demo.add_argument("--budget", type=float, default=0.2)
-    demo.add_argument("--out", default="docs/results/demo")
+    demo.add_argument("--out", default=None, help="folder for demo.md / .json / .png (default: print only)")
     demo.set_defaults(func=cmd_demo)
 
     add_bench_parser(sub)

@@ -1,8 +1,11 @@
 """Compile the Triton kernels for a real GPU target without a GPU (Triton ships ptxas), to catch what the
 interpreter cannot: type errors in lowering, unsupported ops, shared-memory overflows.
 
-    python -m h2o_compile.kernels.aot_check            # every dtype x head shape x policy (72 variants, ~50 s)
-    python -m h2o_compile.kernels.aot_check --quick    # fp16, one head shape, every policy (8 variants)
+    python -m h2o_compile.kernels.aot_check            # every dtype x head shape x policy (108 variants, ~60 s)
+    python -m h2o_compile.kernels.aot_check --quick    # fp16, one head shape, every policy (12 variants)
+
+Each dtype x head shape also compiles the four kernels once with every attention kind on (sliding window,
+soft-capping, sink logits: the code paths a hybrid layer such as Gemma 2/3's or GPT-OSS's takes).
 
 Must run with TRITON_INTERPRET unset (interpreted kernels cannot be compiled); exits 1 if any variant fails.
 """
@@ -22,6 +25,9 @@ from . import triton_prefill as tp
 from .reference import POLICY_CODES
 
 _FLOAT_ARGS = ("qk_scale", "scale")
+_PLAIN = dict(WINDOW=0, SOFTCAP=0.0)
+# A Gemma-2-like hybrid layer: window 4096, cap 50 (in the kernels' base-2 units), and sink logits.
+_HYBRID = dict(WINDOW=4096, SOFTCAP=50.0 * td.LOG2E)
 
 
 def _signature(fn, pointers: dict, constexprs: dict) -> dict:
@@ -54,22 +60,26 @@ def variants(quick: bool):
             common = dict(HKV=8, G=group, D=d, DV=d, BLOCK_D=block_d, BLOCK_DV=block_d, HAS_VALID=True)
             ptrs = {n: f"*{dt}" for n in ("Q", "K_CACHE", "V_CACHE", "K_NEW", "V_NEW", "OUT")}
             ptrs.update(POS_CACHE="*i64", POSITIONS="*i64", VALID="*i1", LOGITS="*fp32", PART_M="*fp32",
-                        PART_L="*fp32", PART_ACC="*fp32", SCORE="*fp32")
-            tag = f"{dt} G={group} D={d}"
-            yield (f"decode partial {tag}", td._decode_partial_kernel, ptrs,
-                   dict(common, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block,
-                        DOT_PRECISION=precision), 4)
-            for policy, code in POLICY_CODES.items():
-                yield (f"decode finish {tag} {policy}", td._decode_finish_kernel, ptrs,
-                       dict(common, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=1024, POLICY=code, SEED=3), 8)
-            pre = {n: f"*{dt}" for n in ("Q", "KEYS", "VALUES", "OUT")}
+                        PART_L="*fp32", PART_ACC="*fp32", SCORE="*fp32", SINK_LOGITS=f"*{dt}")
+            partial = dict(common, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block,
+                           DOT_PRECISION=precision)
+            finish = dict(common, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=1024, SEED=3)
+            pre = {n: f"*{dt}" for n in ("Q", "KEYS", "VALUES", "OUT", "SINK_LOGITS")}
             pre.update(KPOS="*i64", POSITIONS="*i64", VALID="*i1", LSE="*fp32", MASS="*fp32")
             base = dict(G=group, D=d, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, HAS_VALID=True,
                         DOT_PRECISION=precision)
+            forward = dict(base, HQ=8 * group, DV=d, BLOCK_DV=block_d)
             warps = 8 if d >= 128 else 4
-            yield (f"prefill forward {tag}", tp._prefill_fwd_kernel, pre,
-                   dict(base, HQ=8 * group, DV=d, BLOCK_DV=block_d), warps)
-            yield f"prefill mass {tag}", tp._prefill_mass_kernel, pre, dict(base, HKV=8), warps
+            for kind, extra, sinks in (("", _PLAIN, False), (" hybrid", _HYBRID, True)):
+                tag = f"{dt} G={group} D={d}{kind}"
+                yield f"decode partial {tag}", td._decode_partial_kernel, ptrs, dict(partial, **extra), 4
+                # The hybrid kind changes the eviction priority the same way for every policy: h2o suffices.
+                for policy, code in POLICY_CODES.items() if not sinks else [("h2o", 0)]:
+                    yield (f"decode finish {tag} {policy}", td._decode_finish_kernel, ptrs,
+                           dict(finish, POLICY=code, HAS_SINKS=sinks, **extra), 8)
+                yield (f"prefill forward {tag}", tp._prefill_fwd_kernel, pre,
+                       dict(forward, HAS_SINKS=sinks, **extra), warps)
+                yield f"prefill mass {tag}", tp._prefill_mass_kernel, pre, dict(base, HKV=8, **extra), warps
 
 
 def main(argv=None) -> int:

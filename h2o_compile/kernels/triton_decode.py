@@ -12,6 +12,11 @@ Same result as ``reference.h2o_decode_`` (see there and DESIGN.md section 2), in
    writes the new key / value / position / score there. No host sync, so a CUDA graph can capture both.
 
 Logits are kept in base 2 (scale folded with log2(e)) so the kernels use exp2.
+
+The layer's attention kind (reference.py's module docstring) is compiled in: ``WINDOW`` (sliding window, 0 =
+off) hides the slots at or before t - W and makes them the first to be evicted; ``SOFTCAP`` (the cap in base-2
+units, c x log2 e; 0 = off) caps every logit; ``HAS_SINKS`` adds the query head's sink logit to the softmax
+denominator, once, in the merge of the finish kernel (a per-split sink would be counted once per split).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ LOG2E = 1.0 / math.log(2.0)
 # sees nothing (a padding token), which then ends with sum 0 and is zeroed explicitly.
 NEG = tl.constexpr(-1.0e30)
 INT64_MAX = tl.constexpr(2**63 - 1)
+LOG2E_K = tl.constexpr(LOG2E)  # the same constant, readable inside kernels
 
 
 def is_interpreted() -> bool:
@@ -60,6 +66,27 @@ def _group_offsets(G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr
 
 
 @triton.jit
+def soft_cap(s, SOFTCAP: tl.constexpr):
+    """Gemma 2's c * tanh(x / c) on base-2 logits: with SOFTCAP = c * log2(e) the cap commutes with the change
+    of base. tanh is built from exp2(-2|x|), which cannot overflow (the interpreter has no libdevice)."""
+    # Tensor first in every product: constexpr * tensor would wrap the tensor in a constexpr.
+    e = tl.exp2(tl.abs(s) * (-2.0 * LOG2E_K / SOFTCAP))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(s < 0, -t, t) * SOFTCAP
+
+
+@triton.jit
+def _visible_slots(kpos, qpos, qvalid, n_mask, WINDOW: tl.constexpr):
+    """As reference.attend_decode: every filled slot is visible (it is older than the new token), except, on a
+    sliding layer, those at or before qpos - W."""
+    # (scalar-bool & vector-bool is mis-typed by the interpreter, so the row flag goes through where)
+    vis = tl.where(qvalid, (kpos >= 0) & n_mask, False)
+    if WINDOW > 0:
+        vis = vis & (kpos > qpos - WINDOW)
+    return vis
+
+
+@triton.jit
 def python_mod(x, m):
     """x mod m with the sign of m, like torch and Python (Triton's `%` truncates like C)."""
     r = x % m
@@ -78,7 +105,7 @@ def _decode_partial_kernel(
     C, NUM_SPLITS, split_n, qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_VALID: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_VALID: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tl.static_assert(BLOCK_G >= 16, "tl.dot needs at least 16 rows; pad the query group")
     tl.static_assert(BLOCK_N >= 16)
@@ -107,9 +134,9 @@ def _decode_partial_kernel(
         k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd,
                     mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale        # [BLOCK_G, BLOCK_N]
-        # (scalar-bool & vector-bool is mis-typed by the interpreter, so the row flag goes through where)
-        # As reference.attend_decode: every filled slot is visible (it is older than the new token).
-        vis = tl.where(qvalid, (kpos >= 0) & n_mask, False)
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP)
+        vis = _visible_slots(kpos, qpos, qvalid, n_mask, WINDOW)
         s = tl.where(vis[None, :], s, NEG)
         tl.store(LOGITS + row[:, None] + offs_n[None, :], s, mask=g_mask[:, None] & n_mask[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -129,7 +156,8 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def _eviction_priority(score, pos, newest, RECENT, SINKS, POLICY: tl.constexpr, SEED: tl.constexpr):
+def _eviction_priority(score, pos, newest, RECENT, SINKS, POLICY: tl.constexpr, SEED: tl.constexpr,
+                       WINDOW: tl.constexpr):
     """reference.eviction_priority for one block of slots; policy codes as reference.POLICY_CODES."""
     if POLICY == 0:
         key = score
@@ -147,12 +175,16 @@ def _eviction_priority(score, pos, newest, RECENT, SINKS, POLICY: tl.constexpr, 
         key = pos.to(tl.float32)
     protected = (pos < SINKS) | (pos > newest - RECENT)
     key = tl.where(protected, float("inf"), key)
-    return tl.where(pos < 0, float("-inf"), key)
+    # Not live (empty, or out of the sliding window for good): goes first, whatever its protection.
+    live = pos >= 0
+    if WINDOW > 0:
+        live = live & (pos > newest - WINDOW)
+    return tl.where(live, key, float("-inf"))
 
 
 @triton.jit
 def _decode_finish_kernel(
-    Q, K_NEW, V_NEW, POSITIONS, VALID,
+    Q, K_NEW, V_NEW, POSITIONS, VALID, SINK_LOGITS,
     LOGITS, PART_M, PART_L, PART_ACC, OUT,
     K_CACHE, V_CACHE, SCORE, POS_CACHE,
     stride_qb, stride_qh, stride_qd,
@@ -163,11 +195,12 @@ def _decode_finish_kernel(
     stride_vb, stride_vh, stride_vc, stride_vd,
     stride_sb, stride_sh, stride_sc,
     stride_pb, stride_ph, stride_pc,
-    stride_posb, stride_validb,
+    stride_posb, stride_validb, stride_sink,
     C, NUM_SPLITS, qk_scale, RECENT, SINKS,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_VALID: tl.constexpr, POLICY: tl.constexpr, SEED: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tl.static_assert(BLOCK_G >= G)
     tl.static_assert(BLOCK_N >= 16)
@@ -187,7 +220,9 @@ def _decode_finish_kernel(
     v_new = v_new.to(V_CACHE.dtype.element_ty)
     q = q.to(K_CACHE.dtype.element_ty).to(tl.float32)  # rounded as the partial kernel's tl.dot sees it
     s_new = tl.sum(q * k_new.to(tl.float32)[None, :], 1) * qk_scale
-    vis_new = qvalid
+    if SOFTCAP > 0:
+        s_new = soft_cap(s_new, SOFTCAP)
+    vis_new = qvalid  # a token always sees itself (t - t = 0 < W)
     m_i = tl.where(vis_new, s_new, NEG)
     l_i = tl.where(vis_new, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
     acc = tl.where(vis_new, v_new.to(tl.float32)[None, :], 0.0) + tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
@@ -202,6 +237,16 @@ def _decode_finish_kernel(
         beta = tl.exp2(m_s - m_new)
         l_i = l_i * alpha + l_s * beta
         acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m_i = m_new
+    if HAS_SINKS:
+        # One more logit in the denominator and nothing in the numerator: the sink's share goes to no value
+        # and no score. A padding row (m_i = NEG) ends with l = 1, acc = 0: still a zero output.
+        sink = tl.load(SINK_LOGITS + (h * G + offs_g) * stride_sink, mask=g_mask, other=0.0)
+        sink = sink.to(tl.float32) * LOG2E_K
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
         m_i = m_new
     seen = l_i > 0
     out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
@@ -224,11 +269,11 @@ def _decode_finish_kernel(
         score = tl.load(SCORE + b * stride_sb + h * stride_sh + offs_n * stride_sc, mask=n_mask, other=0.0)
         lg = tl.load(LOGITS + row[:, None] + offs_n[None, :], mask=g_mask[:, None] & n_mask[None, :],
                      other=NEG)
-        vis = tl.where(qvalid, (pos >= 0) & n_mask, False)
+        vis = _visible_slots(pos, qpos, qvalid, n_mask, WINDOW)
         p = tl.where(vis[None, :] & g_mask[:, None], tl.exp2(lg - lse[:, None]), 0.0)
         score = score + tl.sum(p, 0)
         tl.store(SCORE + b * stride_sb + h * stride_sh + offs_n * stride_sc, score, mask=n_mask)
-        prio = _eviction_priority(score, pos, newest, RECENT, SINKS, POLICY, SEED)
+        prio = _eviction_priority(score, pos, newest, RECENT, SINKS, POLICY, SEED, WINDOW)
         prio = tl.where(n_mask, prio, float("inf"))
         pos_key = tl.where(n_mask, pos, INT64_MAX)
         blk_p = tl.min(prio, 0)
@@ -278,7 +323,8 @@ def decode_config(cap: int, batch_heads: int, dtype: torch.dtype, device: torch.
 
 
 def decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, *, scale: float,
-            recent: int, sinks: int, policy_code: int, seed: int, split_size: int = 0) -> torch.Tensor:
+            recent: int, sinks: int, policy_code: int, seed: int, split_size: int = 0, window: int = 0,
+            softcap: float = 0.0, sink_logits=None) -> torch.Tensor:
     """In-place H2O decode step; the contract of ``reference.h2o_decode_``.
 
     Args:
@@ -287,6 +333,7 @@ def decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_
         key_cache: [B, Hkv, C, D]; value_cache: [B, Hkv, C, Dv]; score_cache: [B, Hkv, C] fp32;
         pos_cache: [B, Hkv, C] int64 -- all updated in place.
         policy_code: reference.POLICY_CODES[policy]. split_size: slots per split, 0 = chosen from the shapes.
+        window (0 = none), softcap (0 = none), sink_logits [Hq] or None: the layer's attention kind.
     Returns:
         out [B, Hq, 1, Dv] in q's dtype.
     """
@@ -307,9 +354,12 @@ def decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_
     out = torch.empty(b, hq, 1, dv, device=q.device, dtype=q.dtype)
     has_valid = valid is not None
     valid_t = valid if has_valid else positions  # never read when has_valid is False
+    has_sinks = sink_logits is not None
+    sinks_t = sink_logits if has_sinks else q  # never read when has_sinks is False
     qk_scale = scale * LOG2E
     blocks = dict(HKV=hkv, G=group, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d),
-                  BLOCK_DV=triton.next_power_of_2(dv), HAS_VALID=has_valid)
+                  BLOCK_DV=triton.next_power_of_2(dv), HAS_VALID=has_valid, WINDOW=window,
+                  SOFTCAP=softcap * LOG2E if softcap > 0 else 0.0)
     wrap_triton(_decode_partial_kernel)[(splits, b * hkv)](
         q, key_cache, value_cache, pos_cache, positions, valid_t,
         logits, part_m, part_l, part_acc,
@@ -321,7 +371,7 @@ def decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_
         DOT_PRECISION=dot_precision(key_cache.dtype), num_warps=4, **blocks,
     )
     wrap_triton(_decode_finish_kernel)[(b * hkv,)](
-        q, k, v, positions, valid_t,
+        q, k, v, positions, valid_t, sinks_t,
         logits, part_m, part_l, part_acc, out,
         key_cache, value_cache, score_cache, pos_cache,
         q.stride(0), q.stride(1), q.stride(3),
@@ -329,9 +379,10 @@ def decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_
         v.stride(0), v.stride(1), v.stride(3),
         out.stride(0), out.stride(1), out.stride(3),
         *key_cache.stride(), *value_cache.stride(), *score_cache.stride(), *pos_cache.stride(),
-        positions.stride(0), valid_t.stride(0),
+        positions.stride(0), valid_t.stride(0), sinks_t.stride(0),
         cap, splits, qk_scale, recent, sinks,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_N=cfg["FINISH_BLOCK_N"], POLICY=policy_code, SEED=seed,
+        HAS_SINKS=has_sinks,
         num_warps=8 if cfg["FINISH_BLOCK_N"] >= 512 else 4, **blocks,
     )
     return out

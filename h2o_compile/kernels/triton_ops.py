@@ -7,6 +7,9 @@ compiled graph, and CUDA graphs capture them with the rest of the decode step:
 - ``torch.ops.h2o.triton_prefill``: attention of a block over (cache + block) and the per-key mass
   (kernels/triton_prefill.py); eviction down to C is then ``reference.compress`` in torch ops.
 
+Both take the layer's attention kind last, as the h2o ops do: ``window`` (sliding window, 0 = none),
+``softcap`` (0 = none) and ``sink_logits`` ([Hq] or None); see reference.py's module docstring.
+
 On CPU tensors the kernels run only under ``TRITON_INTERPRET=1`` (set before this module is imported), which
 is how the tests check them against the reference without a GPU.
 """
@@ -27,28 +30,33 @@ from .triton_prefill import prefill_attend
 @triton_op("h2o::triton_decode_", mutates_args=("key_cache", "value_cache", "score_cache", "pos_cache"))
 def triton_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                    key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
-                   scale: float, recent: int, sinks: int, policy: str, seed: int, split_size: int) -> Tensor:
+                   scale: float, recent: int, sinks: int, policy: str, seed: int, split_size: int = 0,
+                   window: int = 0, softcap: float = 0.0, sink_logits: Optional[Tensor] = None) -> Tensor:
     """Decode step in place; shapes as ``triton_decode.decode_``. split_size 0 = chosen from the shapes."""
     return decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale=scale,
                    recent=recent, sinks=sinks, policy_code=reference.POLICY_CODES[policy], seed=seed,
-                   split_size=split_size)
+                   split_size=split_size, window=window, softcap=softcap, sink_logits=sink_logits)
 
 
 @triton_op("h2o::triton_prefill", mutates_args=())
 def triton_prefill(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, positions: Tensor,
-                   valid: Optional[Tensor], scale: float, cache_len: int) -> tuple[Tensor, Tensor]:
+                   valid: Optional[Tensor], scale: float, cache_len: int, window: int = 0, softcap: float = 0.0,
+                   sink_logits: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, T, Dv], mass [B, Hkv, C+T] fp32); shapes as ``triton_prefill.prefill_attend``."""
-    return prefill_attend(q, keys, values, key_pos, positions, valid, scale=scale, cache_len=cache_len)
+    return prefill_attend(q, keys, values, key_pos, positions, valid, scale=scale, cache_len=cache_len,
+                          window=window, softcap=softcap, sink_logits=sink_logits)
 
 
 def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                    state: reference.H2OState, *, scale: float, recent: int, sinks: int, policy: str,
-                   seed: int = 0, split_size: int = 0) -> Tensor:
+                   seed: int = 0, window: int = 0, softcap: float = 0.0, sink_logits: Optional[Tensor] = None,
+                   split_size: int = 0) -> Tensor:
     """In-place H2O attention with the Triton kernels; the contract of ``reference.h2o_attention_``.
 
     Args:
         q: [B, Hq, T, D]; k: [B, Hkv, T, D]; v: [B, Hkv, T, Dv]; positions: [B, T] int64;
         valid: [B, T] bool or None; state: the layer's cache (C slots), updated in place.
+        window, softcap, sink_logits [Hq] or None: the layer's attention kind (reference.py).
         split_size: decode only, slots per split-K program (0 = chosen from the shapes); tests force it.
     Returns:
         out [B, Hq, T, Dv] in q's dtype.
@@ -56,7 +64,8 @@ def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Op
     key_cache, value_cache, score_cache, pos_cache = state
     if q.shape[2] == 1:
         return torch.ops.h2o.triton_decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache,
-                                            pos_cache, scale, recent, sinks, policy, seed, split_size)
+                                            pos_cache, scale, recent, sinks, policy, seed, split_size, window,
+                                            softcap, sink_logits)
     cap = pos_cache.shape[-1]
     b, hkv, t, _ = k.shape
     if valid is None:
@@ -66,10 +75,11 @@ def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Op
     all_keys = torch.cat([key_cache, k.to(key_cache.dtype)], dim=2)                   # [B, Hkv, C+T, D]
     all_values = torch.cat([value_cache, v.to(value_cache.dtype)], dim=2)
     all_pos = torch.cat([pos_cache, new_pos[:, None, :].expand(b, hkv, t)], dim=2)    # [B, Hkv, C+T]
-    out, mass = torch.ops.h2o.triton_prefill(q, all_keys, all_values, all_pos, positions, valid, scale, cap)
+    out, mass = torch.ops.h2o.triton_prefill(q, all_keys, all_values, all_pos, positions, valid, scale, cap,
+                                             window, softcap, sink_logits)
     all_scores = torch.cat([score_cache, score_cache.new_zeros(b, hkv, t)], dim=2) + mass
     new_state = reference.compress(reference.H2OState(all_keys, all_values, all_scores, all_pos), newest, cap,
-                                   recent=recent, sinks=sinks, policy=policy, seed=seed)
+                                   recent=recent, sinks=sinks, policy=policy, seed=seed, window=window)
     for buf, new in zip(state, new_state):
         buf.copy_(new)
     return out

@@ -16,7 +16,8 @@ from .gemma import gemma3_270m_path, load_gemma3_270m, load_gguf
 
 TINY_LLAMA_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
 
-__all__ = ["TINY_LLAMA_DIR", "gemma3_270m_path", "load_gemma3_270m", "load_gguf", "load_tiny"]
+__all__ = ["MODELS", "TINY_LLAMA_DIR", "gemma3_270m_path", "load_gemma3_270m", "load_gguf", "load_model",
+           "load_tiny"]
 
 
 def load_tiny(dtype: torch.dtype = torch.float32):
@@ -42,3 +43,14 @@ def load_tiny(dtype: torch.dtype = torch.float32):
     model = AutoModelForCausalLM.from_pretrained(TINY_LLAMA_DIR, dtype=dtype, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(TINY_LLAMA_DIR, local_files_only=True)
     return model.eval(), tokenizer
+
+
+# Models known by name (the CLI's --model takes these as well as paths).
+MODELS = {"gemma3-270m": load_gemma3_270m, "tiny": load_tiny}
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` of a model in :data:`MODELS` (``"gemma3-270m"``, ``"tiny"``)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return MODELS[name](dtype)

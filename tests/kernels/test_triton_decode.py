@@ -3,7 +3,8 @@
 Each test fills a cache with the reference prefill (a prompt longer than C), empties two slots far apart
 (in different blocks and splits when C > 16), then runs decode steps on a copy with the kernel and on the
 original with the reference: the first two steps fill the holes, lowest slot first, every later step evicts.
-Without a GPU the kernel runs under the Triton interpreter (see conftest.py).
+The attention kinds (sliding window, soft-capping, sink logits) are checked the same way, and once against the
+independent float64 simulation. Without a GPU the kernel runs under the Triton interpreter (see conftest.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from h2o_compile.kernels import reference
 
 from .conftest import HAS_CUDA, assert_close_out, assert_same_state, random_block
+from .h2o_simulation import SimulatedCache
 
 pytest.importorskip("triton")
 from h2o_compile.kernels import triton_ops  # after conftest set TRITON_INTERPRET
@@ -29,10 +31,12 @@ if HAS_CUDA:  # the interpreter is too slow for these, and has no bf16
     DTYPES += [torch.bfloat16]
 
 
-def run_decode(device, shape, dtype, policy, sinks, steps=6, seed=0):
+def run_decode(device, shape, dtype, policy, sinks, steps=6, seed=0, left_pad=False, **kind):
+    """``kind``: window / softcap / sink_logits, passed to both sides. ``left_pad``: row 1's prompt starts
+    with 4 padding tokens (its cache then holds fewer, older-looking entries)."""
     b, hq, hkv, d, cap, split = shape
     recent = 3
-    kw = dict(scale=d ** -0.5, recent=recent, sinks=sinks, policy=policy, seed=7)
+    kw = dict(scale=d ** -0.5, recent=recent, sinks=sinks, policy=policy, seed=7, **kind)
     gen = torch.Generator().manual_seed(seed)
     # Rows at different positions, as in a batch of prompts of different lengths.
     offset = torch.arange(b, device=device)[:, None] * 5                          # [B, 1]
@@ -40,7 +44,10 @@ def run_decode(device, shape, dtype, policy, sinks, steps=6, seed=0):
     want = reference.empty_state(b, hkv, cap, d, dtype=dtype, device=device)
     q, k, v = random_block(gen, b, hq, hkv, prompt, d, dtype, device)
     positions = torch.arange(prompt, device=device)[None, :] + offset
-    reference.h2o_attention_(q, k, v, positions, None, want, **kw)
+    valid = torch.ones(b, prompt, dtype=torch.bool, device=device)
+    if left_pad and b > 1:
+        valid[1, :4] = False
+    reference.h2o_attention_(q, k, v, positions, valid, want, **kw)
     want.pos_cache[:, :, [cap - 2, 1]] = -1
     got = reference.H2OState(*(x.clone() for x in want))
     for step in range(steps):
@@ -67,6 +74,60 @@ def test_decode_matches_reference(triton_device, shape, dtype):
 def test_decode_policies_match_reference(triton_device, policy, sinks):
     shape = (3, 8, 2, 32, 21, 16) if triton_device.type == "cpu" else (4, 32, 8, 128, 500, 64)
     run_decode(triton_device, shape, torch.float32, policy, sinks, steps=5, seed=1)
+
+
+def sink_logits_for(hq, device, seed=11):
+    """[Hq] learned sink logits, large enough to take a real share of the softmax."""
+    return (torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2.0).to(device)
+
+
+# Windows: 5 < C (the prompt leaves at most 5 live keys, so the steps fill empty slots while dead keys linger,
+# hidden: visibility) and 24 > C (H2O evicts by score, and the sink and heavy hitters it kept then leave the
+# window and must be overwritten first: eviction).
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["nosink", "sink"])
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+@pytest.mark.parametrize("window", [0, 5, 24])
+def test_decode_attention_kinds_match_reference(triton_device, window, softcap, with_sinks):
+    # G = 3 (padded to a power of two), split-K with a ragged last split, a left-padded row.
+    shape = (3, 12, 4, 32, 21, 16) if triton_device.type == "cpu" else (4, 32, 8, 128, 500, 64)
+    sink_logits = sink_logits_for(shape[1], triton_device) if with_sinks else None
+    run_decode(triton_device, shape, torch.float32, "h2o", 1, steps=9, seed=2, left_pad=True, window=window,
+               softcap=softcap, sink_logits=sink_logits)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "sink"])
+def test_decode_kinds_match_float64_simulation(triton_device, policy):
+    """Prompt (the Triton prefill) then decode steps, all through the kernels, against the brute-force
+    float64 simulation of DESIGN.md section 2 (not the reference): live kept positions, scores, outputs."""
+    b, hq, hkv, d, cap, window, softcap, sinks = 2, 6, 2, 16, 9, 12, 2.5, 1
+    group = hq // hkv
+    scale = d ** -0.5
+    gen = torch.Generator().manual_seed(8)
+    sink_logits = sink_logits_for(hq, triton_device, seed=9)
+    kw = dict(scale=scale, recent=2, sinks=sinks, policy=policy, seed=0, window=window, softcap=softcap,
+              sink_logits=sink_logits)
+    state = reference.empty_state(b, hkv, cap, d, device=triton_device)
+    sims = [[SimulatedCache(cap, 2, sinks, policy, window=window, softcap=softcap,
+                            sink_logits=sink_logits[h * group:(h + 1) * group].cpu().double())
+             for h in range(hkv)] for _ in range(b)]
+    start = 0
+    for t in [11] + [1] * 16:  # 16 decode steps: every early key leaves the window of 12
+        q, k, v = random_block(gen, b, hq, hkv, t, d, torch.float32, triton_device)
+        positions = torch.arange(start, start + t, device=triton_device).expand(b, t).contiguous()
+        out = triton_ops.h2o_attention_(q, k, v, positions, None, state, split_size=16, **kw).cpu().double()
+        start += t
+        for row in range(b):
+            for h in range(hkv):
+                sim = sims[row][h]
+                heads = slice(h * group, (h + 1) * group)
+                want = sim.block(list(range(start - t, start)), q[row, heads].cpu().double(),
+                                 k[row, h].cpu().double(), v[row, h].cpu().double(), scale)
+                torch.testing.assert_close(out[row, heads], want, rtol=1e-4, atol=1e-5)
+                slots = {p: s for p, s in zip(state.pos_cache[row, h].tolist(), state.score_cache[row, h].tolist())
+                         if p > start - 1 - window}  # live entries; a dead key may linger in its slot
+                assert sorted(slots) == sorted(sim.kept), (start, row, h)
+                for p, score in slots.items():
+                    assert score == pytest.approx(sim.score[p], rel=1e-4, abs=1e-5)
 
 
 def test_decode_keeps_the_heavy_hitter(triton_device):
