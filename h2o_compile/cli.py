@@ -72,6 +72,8 @@ def add_h2o_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sink-tokens", type=int, default=None)
     p.add_argument("--recent-ratio", type=float, default=0.5)
     p.add_argument("--prefill", type=parse_prefill, default="full", help="'full' or a chunk size")
+    p.add_argument("--compress-sliding", action="store_true",
+                   help="sliding-window layers under the budget too (default: they keep their window)")
 
 
 def cmd_generate(args) -> int:
@@ -91,7 +93,7 @@ def cmd_generate(args) -> int:
         model, tokenizer = load_local(args.model, args.dtype)
         runner = h2o_compile.optimize(model, args.budget, recent_ratio=args.recent_ratio,
                                       sink_tokens=args.sink_tokens, policy=args.policy, prefill=args.prefill,
-                                      compile=args.compile)
+                                      compress_sliding=args.compress_sliding, compile=args.compile)
         kv_note = None
     encoded = tokenizer(args.prompt, return_tensors="pt")
     ids = encoded["input_ids"]
@@ -105,9 +107,9 @@ def cmd_generate(args) -> int:
     print("-" * 60)
     if kv_note is None:
         total = ids.shape[1] + args.max_new_tokens
-        kv_note = (f"KV cache: full {human_bytes(runner.full_cache_bytes(1, total))} vs H2O "
-                   f"{human_bytes(runner.kv_cache_bytes())} (capacity {runner.capacity} of {total} tokens, "
-                   f"policy {args.policy})")
+        kv_note = (f"KV cache: full {human_bytes(runner.full_cache_bytes(1, total))}, transformers' cache "
+                   f"{human_bytes(runner.hf_cache_bytes(1, total))}, H2O {human_bytes(runner.kv_cache_bytes())} "
+                   f"(capacity {runner.capacity} of {total} tokens, policy {args.policy})")
     print(kv_note)
     print(f"{new} new tokens in {elapsed:.2f} s: {new / elapsed:.1f} tokens/s (prefill included)")
     return 0
@@ -256,7 +258,8 @@ def cmd_export(args) -> int:
     model, tokenizer = load_local(args.model, args.dtype)
     out = export_onnx(model, args.output, budget=args.budget, max_seq_len=args.max_seq_len,
                       batch_size=args.batch_size, policy=args.policy, recent_ratio=args.recent_ratio,
-                      sink_tokens=args.sink_tokens, prefill=args.prefill, opset=args.opset, tokenizer=tokenizer)
+                      sink_tokens=args.sink_tokens, prefill=args.prefill, compress_sliding=args.compress_sliding,
+                      opset=args.opset, tokenizer=tokenizer)
     print(f"wrote {out} (model.onnx, h2o_config.json, config + tokenizer)")
     return 0
 

@@ -84,20 +84,21 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
                             softcap=float(softcap))
 
 
-def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed
+def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding=_UNSET
                     ) -> tuple[nn.Module, H2OConfig]:
     """An H2OModel lends its H2OConfig (explicit arguments win); a transformers model gets the defaults."""
     from ..runtime import H2OModel
 
     given = {"budget": budget, "recent_ratio": recent_ratio, "sink_tokens": sink_tokens, "policy": policy,
-             "prefill": prefill, "seed": seed}
+             "prefill": prefill, "seed": seed, "compress_sliding": compress_sliding}
     given = {k: v for k, v in given.items() if v is not _UNSET}
     if isinstance(model, H2OModel):
         base = model.h2o_config
         # A new policy without sink_tokens takes that policy's default sinks, as H2OConfig would.
         sinks = None if "policy" in given and "sink_tokens" not in given else base.sink_tokens
         fields = {"budget": base.budget, "recent_ratio": base.recent_ratio, "policy": base.policy,
-                  "prefill": base.prefill, "seed": base.seed, "sink_tokens": sinks}
+                  "prefill": base.prefill, "seed": base.seed, "sink_tokens": sinks,
+                  "compress_sliding": base.compress_sliding}
         fields.update(given)
         return model.model, H2OConfig(**fields)
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
@@ -108,14 +109,16 @@ def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, s
 
 def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len: int | None = None,
                 batch_size: int | None = None, policy=_UNSET, recent_ratio=_UNSET, sink_tokens=_UNSET,
-                prefill=_UNSET, seed=_UNSET, opset: int = 18, tokenizer=None) -> Path:
+                prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, opset: int = 18, tokenizer=None) -> Path:
     """Export ``model`` (a transformers causal LM or an :class:`H2OModel`) with its H2O cache to ``out_dir``.
 
     Args:
-        budget, policy, recent_ratio, sink_tokens, prefill, seed: as :class:`H2OConfig` (default: the
-            H2OModel's own settings, else H2OConfig's defaults). ``prefill`` is recorded for the ORT model.
+        budget, policy, recent_ratio, sink_tokens, prefill, seed, compress_sliding: as :class:`H2OConfig`
+            (default: the H2OModel's own settings, else H2OConfig's defaults). ``prefill`` is recorded for the
+            ORT model.
         max_seq_len: the longest prompt + new tokens the export serves (default: the model's
-            max_position_embeddings, at most 2048). Fixes the capacity C = capacity(max_seq_len).
+            max_position_embeddings, at most 2048). Fixes the capacity C = capacity(max_seq_len) (and each
+            sliding-window layer's own slot count, H2OConfig.layer_params).
         batch_size: None (default) exports a dynamic batch axis; an int fixes it.
         opset: ONNX opset of the model, 18..23.
         tokenizer: saved next to the model when given; otherwise tokenizer files found in the model's
@@ -125,7 +128,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     """
     from ..runtime import build_graph  # runtime imports export lazily via the package; avoid a cycle
 
-    hf_model, config = _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed)
+    hf_model, config = _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed,
+                                       compress_sliding)
     if opset not in SUPPORTED_OPSETS:
         raise ValueError(f"opset={opset!r}; allowed: {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
@@ -144,20 +148,24 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     dtype = layers[0].dtype
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype} is not supported by the ONNX export; use float32 or float16")
-    set_h2o_params(graph, recent=recent, sinks=config.sink_tokens, policy=config.policy, seed=config.seed)
+    plan = [config.layer_params(max_seq_len, spec.window) for spec in layers]  # (slots, recent, sinks)
+    set_h2o_params(graph, recent=[p[1] for p in plan], sinks=[p[2] for p in plan], policy=config.policy,
+                   seed=config.seed)
 
-    program = _export_program(graph, layers, capacity, max_seq_len, batch_size, opset)
+    program = _export_program(graph, layers, [p[0] for p in plan], max_seq_len, batch_size, opset)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "model_file": MODEL_FILE,
         "budget": config.budget, "policy": config.policy, "recent_ratio": config.recent_ratio,
         "sink_tokens": config.sink_tokens, "seed": config.seed, "prefill": config.prefill,
+        "compress_sliding": config.compress_sliding,
         "capacity": capacity, "recent": recent, "max_seq_len": max_seq_len, "batch_size": batch_size,
         "opset": opset, "dtype": _DTYPES[dtype], "vocab_size": int(hf_model.config.vocab_size),
         "num_layers": len(layers),
-        "layers": [{"kv_heads": s.kv_heads, "head_dim": s.head_dim, "value_dim": s.value_dim}
-                   for s in layers],
+        "layers": [{"kv_heads": s.kv_heads, "head_dim": s.head_dim, "value_dim": s.value_dim, "capacity": p[0],
+                    "recent": p[1], "window": s.window, "softcap": s.softcap, "sinks": s.sinks}
+                   for s, p in zip(layers, plan)],
         "model_type": getattr(hf_model.config, "model_type", None),
         "architecture": type(hf_model).__name__,
     }
@@ -168,8 +176,9 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     return out_dir
 
 
-def _export_program(graph, layers, capacity: int, max_seq_len: int, batch_size: int | None, opset: int):
-    """torch.onnx.export (dynamo) of the functional graph; returns the ONNXProgram with the function kept."""
+def _export_program(graph, layers, capacities: list[int], max_seq_len: int, batch_size: int | None, opset: int):
+    """torch.onnx.export (dynamo) of the functional graph (``capacities``: slots per layer); returns the
+    ONNXProgram with the function kept."""
     example_b = batch_size or 2
     example_t = 3  # not 0/1 (torch.export would specialise) and different from B so the two stay independent
     device = next(graph.parameters()).device
@@ -177,8 +186,8 @@ def _export_program(graph, layers, capacity: int, max_seq_len: int, batch_size: 
     positions = torch.arange(example_t, device=device).expand(example_b, -1).contiguous()
     valid = torch.ones(example_b, example_t, dtype=torch.bool, device=device)
     state = []
-    for spec in layers:
-        state.extend(empty_state(example_b, spec.kv_heads, capacity, spec.head_dim, value_dim=spec.value_dim,
+    for spec, slots in zip(layers, capacities):
+        state.extend(empty_state(example_b, spec.kv_heads, slots, spec.head_dim, value_dim=spec.value_dim,
                                  dtype=spec.dtype, device=device))
     batch = torch.export.Dim("batch", min=1, max=4096) if batch_size is None else None
     block = torch.export.Dim("block", min=1, max=max(max_seq_len, example_t))

@@ -139,7 +139,8 @@ class H2OOrtModel:
 
     def _state_specs(self, batch: int):
         for layer in self.meta["layers"]:
-            shape = (batch, layer["kv_heads"], self.capacity)
+            # Exports before per-layer attention kinds had one capacity for every layer.
+            shape = (batch, layer["kv_heads"], int(layer.get("capacity", self.capacity)))
             yield shape + (layer["head_dim"],), self._cache_dtype, 0
             yield shape + (layer["value_dim"],), self._cache_dtype, 0
             yield shape, torch.float32, 0
