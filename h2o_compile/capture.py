@@ -8,6 +8,7 @@ per-layer state. Weights are shared with the user's model, not copied.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
@@ -28,7 +29,8 @@ class _LogitsOnly(nn.Module):
 
 @contextlib.contextmanager
 def attention_implementation(model: nn.Module):
-    """Run the model with SDPA (or eager, when it supports only that) for the capture, then restore."""
+    """Run the model with SDPA (or eager, when it supports only that) for the capture, then restore the
+    user's choice: the model object is left as it was given."""
     config = model.config
     before = getattr(config, "_attn_implementation", None)
     if before in _ATTN_IMPLS:
@@ -40,6 +42,10 @@ def attention_implementation(model: nn.Module):
     except (ValueError, ImportError, AttributeError):
         model.set_attn_implementation("eager")
         chosen = "eager"
+    if before is not None:
+        # H2O replaces the attention anyway; say which implementation the captured graph was traced with.
+        warnings.warn(f"attn_implementation={before!r} cannot be captured; the H2O graph is traced with "
+                      f"{chosen!r} attention (the model itself keeps {before!r})", stacklevel=3)
     try:
         yield chosen
     finally:

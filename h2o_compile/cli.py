@@ -339,7 +339,9 @@ def main(argv=None) -> int:
         args.compile = compile_choice(args.compile)
     try:
         return args.func(args)
-    except (ValueError, TypeError) as err:  # user input errors: one line, no stack trace
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        # What the library raises for bad input, a missing file or a missing extra: one line, no stack trace.
+        # Anything else (a TypeError included) is a bug and keeps its traceback.
         print(f"error: {err}", file=sys.stderr)
         return 2
 

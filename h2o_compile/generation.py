@@ -30,8 +30,19 @@ def check_prompt(input_ids, attention_mask) -> Optional[Tensor]:
     return mask
 
 
-def place_block(seen: Tensor, fed: int, max_seq_len: int, input_ids, attention_mask, device
-                ) -> tuple[Tensor, Tensor, Tensor]:
+def check_token_ids(input_ids: Tensor, vocab_size: Optional[int]) -> None:
+    """Token ids outside [0, vocab_size) are a ValueError naming the id (an embedding would raise a bare
+    IndexError deep in the graph, or read out of bounds on a GPU)."""
+    if vocab_size is None or input_ids.numel() == 0:
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size}) of the model")
+
+
+def place_block(seen: Tensor, fed: int, max_seq_len: int, input_ids, attention_mask, device,
+                vocab_size: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Validate a block for ``step`` and give it positions after what each row has already seen.
 
     Shared by H2OModel and H2OOrtModel. ``seen`` [B] (valid tokens per row so far) is advanced in place; the
@@ -47,6 +58,8 @@ def place_block(seen: Tensor, fed: int, max_seq_len: int, input_ids, attention_m
         raise ValueError("input_ids has no tokens: give a block of T >= 1")
     if fed + t > max_seq_len:
         raise ValueError(f"{fed} + {t} tokens exceed max_seq_len={max_seq_len} given to reset()")
+    if input_ids.device.type == "cpu":  # user input arrives on the CPU; checking a device tensor would sync
+        check_token_ids(input_ids, vocab_size)
     input_ids = input_ids.to(device, torch.long)
     if attention_mask is None:
         valid = torch.ones(batch, t, dtype=torch.bool, device=device)

@@ -14,7 +14,7 @@ from .kernels.reference import empty_state
 from .ops import backend_for
 from .passes import (LayerSpec, find_attention_sites, fuse_decode_bookkeeping, rewrite_attention, set_h2o_params,
                      state_names)
-from .support import ModelLimits, UnsupportedModelError, check_sequence_fits, check_supported
+from .support import ModelLimits, UnsupportedModelError, check_sequence_fits, check_supported, text_config
 
 _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
@@ -85,6 +85,10 @@ class H2OModel(nn.Module):
     @property
     def config(self):
         return self.model.config
+
+    @property
+    def vocab_size(self) -> int:
+        return int(text_config(self.model).vocab_size)
 
     def reset(self, batch_size: int, max_seq_len: int) -> None:
         """Allocate empty caches of C = capacity(max_seq_len) slots for ``batch_size`` rows."""
@@ -190,7 +194,7 @@ class H2OModel(nn.Module):
         """
         state = self.state()
         input_ids, valid, positions = generation.place_block(self.seen, self._fed, self.max_seq_len, input_ids,
-                                                             attention_mask, self.device)
+                                                             attention_mask, self.device, self.vocab_size)
         t = input_ids.shape[1]
         self._fed += t
         if t == 1:

@@ -232,7 +232,8 @@ class H2OOrtModel:
         """
         self.state()
         input_ids, valid, positions = generation.place_block(self.seen, self._fed, self.max_seq_len, input_ids,
-                                                             attention_mask, self.device)
+                                                             attention_mask, self.device,
+                                                             int(self.meta["vocab_size"]))
         t = input_ids.shape[1]
         self._fed += t
         chunk = self.meta.get("prefill", "full")

@@ -117,6 +117,43 @@ def module_layer(node: Node) -> Optional[int]:
     return int(found.group(1)) if found else None
 
 
+_SHAPE_ONLY = (aten.expand.default, aten.slice.Tensor, aten.unsqueeze.default, aten.select.int, *_VIEWS,
+               *_PASSTHROUGH)
+_WHERE = (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+_MASKED_FILL = (aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+_CONSTANT_FILLS = (aten.zeros.default, aten.full.default, aten.zeros_like.default, aten.full_like.default,
+                   aten.new_zeros.default, aten.new_full.default, aten.scalar_tensor.default)
+
+
+def _is_scalar(x) -> bool:
+    if isinstance(x, (int, float)):
+        return True
+    val = _val(x)
+    return val is not None and val.numel() == 1
+
+
+def _is_bool(x) -> bool:
+    val = _val(x)
+    return val is not None and val.dtype == torch.bool
+
+
+def is_visibility_mask(node) -> bool:
+    """True when an additive attention term can only say "visible" or "hidden": a choice between two
+    constants under a bool condition (``where(cond, 0, min)``, ``masked_fill(zeros, cond, min)``), reshaped
+    or sliced. Such a term carries no graded position bias (ALiBi, a learned bias), so the H2O op, which
+    masks by position, may drop it."""
+    while _is_call(node, *_SHAPE_ONLY):
+        node = node.args[0]
+    if _is_call(node, *_WHERE):
+        cond, a, b = node.args[:3]
+        return _is_bool(cond) and _is_scalar(a) and _is_scalar(b)
+    if _is_call(node, *_MASKED_FILL):
+        base, cond, value = node.args[:3]
+        return _is_bool(cond) and _is_scalar(value) and (_is_call(base, *_CONSTANT_FILLS) or
+                                                         is_visibility_mask(base))
+    return False
+
+
 def _strip_max_shift(node):
     """``sub(x, max(x, -1, keepdim).values)`` -> x: the shift a softmax does not see."""
     if not _is_call(node, aten.sub.Tensor):
@@ -209,6 +246,9 @@ def match_eager(node: Node) -> Union[AttentionSite, Decline, None]:
         if sink is None:
             return Decline(node, "the extra softmax column is not a per-head parameter (learned sinks [Hq])")
     if isinstance(logits, Node) and logits.target is aten.add.Tensor:
+        if not is_visibility_mask(logits.args[1]):
+            return Decline(node, f"the term {logits.args[1]} added to the logits is not a causal/padding mask "
+                                 "(a position bias or learned bias cannot follow evicted keys)")
         logits = logits.args[0]  # the additive causal/padding mask: our op masks by position instead
     logits, softcap = _strip_softcap(logits)
     scale = 1.0

@@ -89,6 +89,7 @@ class _Toy(torch.nn.Module):
         super().__init__()
         self.variant = variant
         self.proj = torch.nn.Linear(16, 16 + 8 + 8)
+        self.head_bias = torch.nn.Parameter(torch.randn(1, 4, 1, 1))
 
     def forward(self, x, y):
         b, t, _ = x.shape
@@ -105,6 +106,17 @@ class _Toy(torch.nn.Module):
         if self.variant == "softcap":
             logits = torch.tanh(q @ k.transpose(2, 3) / 30.0) * 30.0
             return torch.softmax(logits, dim=-1) @ v
+        if self.variant.startswith("eager_"):
+            logits = q @ k.transpose(2, 3) * 0.5
+            pos = torch.arange(t)
+            causal = pos[None, :] <= pos[:, None]                                  # [T, T] bool
+            if self.variant == "eager_mask":        # transformers' eager mask: where(visible, 0, min)
+                added = torch.where(causal, 0.0, torch.finfo(x.dtype).min)
+            elif self.variant == "eager_alibi":     # a graded distance bias, masked where future
+                added = (pos[None, :] - pos[:, None]).to(x.dtype).masked_fill(~causal, float("-inf"))
+            else:                                   # eager_learned: a learned per-head bias
+                added = self.head_bias + torch.where(causal, 0.0, float("-inf"))
+            return torch.softmax(logits + added, dim=-1) @ v
         if self.variant == "tanh":  # tanh with a different cap outside than inside: not Gemma 2's soft-cap
             logits = torch.tanh(q @ k.transpose(2, 3) / 30.0) * 20.0
             return torch.softmax(logits, dim=-1) @ v
@@ -133,11 +145,18 @@ def test_sdpa_with_enable_gqa_is_matched_with_kv_heads():
     ("alibi", "additive float mask"),
     ("tanh", "score transforms"),
     ("cross", "cross-attention"),
+    ("eager_alibi", "not a causal/padding mask"),
+    ("eager_learned", "not a causal/padding mask"),
 ])
 def test_unsupported_variants_are_declined_with_a_reason(variant, reason):
     sites, declines = find_attention_sites(_toy_graph(variant))
     assert sites == []
     assert len(declines) == 1 and reason in declines[0].reason
+
+
+def test_eager_causal_mask_is_dropped_for_the_h2o_op():
+    (site,), declines = find_attention_sites(_toy_graph("eager_mask"))
+    assert declines == [] and site.scale == 0.5 and site.pattern == "eager"
 
 
 def test_soft_capping_is_read_from_the_graph():
