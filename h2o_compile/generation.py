@@ -85,6 +85,13 @@ def next_tokens(logits: Tensor, *, do_sample: bool, temperature: float, top_k: O
     """logits [B, V] -> token ids [B]: argmax, or a sample after temperature / top-k / top-p filtering."""
     if not do_sample:
         return logits.argmax(dim=-1)
+    probs = sampling_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sampling_probs(logits: Tensor, *, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> Tensor:
+    """logits [B, V] -> the distribution [B, V] (fp32) sampling draws from: temperature, then top-k, then
+    top-p (nucleus), in transformers' order."""
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -95,8 +102,7 @@ def next_tokens(logits: Tensor, *, do_sample: bool, temperature: float, top_k: O
         drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the smallest set reaching top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(dim=-1)
 
 
 def check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p) -> None:

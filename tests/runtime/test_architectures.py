@@ -10,6 +10,7 @@ import torch
 import h2o_compile
 
 from .arch_configs import ARCHITECTURES, VOCAB, build
+from .compile_checks import assert_ran_compiled, strict_compile
 from .hf_simulation import simulate_logits
 
 NAMES = list(ARCHITECTURES)
@@ -72,10 +73,6 @@ def test_evicting_budget_equals_simulation(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_compiled_decode_equals_eager_without_graph_breaks(name):
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.reset()
-    counters.clear()
     model = build(name, seed=2)
     eager = h2o_compile.optimize(model, budget=5, compile=False)
     compiled = h2o_compile.optimize(model, budget=5, compile=True)
@@ -84,9 +81,9 @@ def test_compiled_decode_equals_eager_without_graph_breaks(name):
     for opt in (eager, compiled):
         opt.reset(2, 14)
     torch.testing.assert_close(compiled.step(ids[:, :6]), eager.step(ids[:, :6]))
-    for i in range(6, 14):
-        torch.testing.assert_close(compiled.step(ids[:, i:i + 1]), eager.step(ids[:, i:i + 1]), rtol=1e-4,
-                                   atol=1e-4)
+    with strict_compile():
+        for i in range(6, 14):
+            torch.testing.assert_close(compiled.step(ids[:, i:i + 1]), eager.step(ids[:, i:i + 1]), rtol=1e-4,
+                                       atol=1e-4)
+        assert_ran_compiled(graphs=1)
     assert torch.equal(compiled.kept_positions(1), eager.kept_positions(1))
-    assert dict(counters["graph_break"]) == {}
-    assert counters["stats"]["unique_graphs"] == 1

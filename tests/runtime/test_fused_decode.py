@@ -12,6 +12,8 @@ from h2o_compile.kernels import reference
 from h2o_compile.passes import count_h2o_ops, fuse_decode_bookkeeping, state_names
 
 from .arch_configs import VOCAB, build
+from .compile_checks import assert_ran_compiled, strict_compile
+from .hf_simulation import simulate_logits
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +45,11 @@ def test_compiled_fused_decode_keeps_the_same_slots_as_the_op(llama, batch, poli
     for opt in (eager, fused):
         opt.reset(batch, 16)
         opt.step(ids[:, :6], mask)
-    for i in range(6, 16):
-        torch.testing.assert_close(fused.step(ids[:, i:i + 1]), eager.step(ids[:, i:i + 1]), rtol=1e-4, atol=1e-4)
-    assert fused._compiled, "the decode step was not compiled"
+    with strict_compile():
+        for i in range(6, 16):
+            torch.testing.assert_close(fused.step(ids[:, i:i + 1]), eager.step(ids[:, i:i + 1]), rtol=1e-4,
+                                       atol=1e-4)
+        assert_ran_compiled(graphs=1)
     for layer in range(2):
         assert torch.equal(fused.kept_positions(layer), eager.kept_positions(layer))
         score = state_names(layer)[2]
@@ -72,3 +76,24 @@ def test_decode_fusable_equals_the_op_on_a_padding_step():
     with pytest.raises(ValueError, match="T = 1"):
         ops.decode_fusable_(q.expand(b, hq, 2, d), k.expand(b, hkv, 2, d), v.expand(b, hkv, 2, d),
                             pos.expand(b, 2), None, *states[1], 0.5, *args)
+
+
+def test_compiled_fused_decode_equals_the_simulation_and_leaves_padding_rows_alone(llama):
+    """Against the independent brute force inside transformers (not the reference functions the fused step is
+    built from): 12 evicting decode steps; then a step where row 1 is padding leaves its cache bytes as they
+    were."""
+    ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(5))
+    blocks = [7] + [1] * 12
+    fused = h2o_compile.optimize(llama, budget=5, sink_tokens=1, compile=True)
+    fused.reset(2, 21)
+    with strict_compile():
+        ours = torch.cat([fused.step(ids[:, :7])] + [fused.step(ids[:, i:i + 1]) for i in range(7, 19)], dim=1)
+        assert_ran_compiled(graphs=1)
+    want = simulate_logits(llama, ids[:, :19], blocks, capacity=5, recent=fused.h2o_config.recent_window(5),
+                           sinks=1, policy="h2o")
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+
+    before = [t[1].clone() for t in fused.state()]
+    fused.step(ids[:, 19:20], attention_mask=torch.tensor([[1], [0]]))
+    for old, new in zip(before, fused.state()):
+        assert torch.equal(old, new[1]), "a padding token changed its row's cache"

@@ -8,6 +8,7 @@ import torch
 import h2o_compile
 
 from .arch_configs import VOCAB, build
+from .compile_checks import assert_ran_compiled, strict_compile
 from .hf_simulation import simulate_logits
 
 
@@ -156,7 +157,8 @@ def test_compile_modes_decode_like_eager(llama, mode):
         opt = h2o_compile.optimize(llama, budget=5, compile=compile)
         opt.reset(2, 9)
         opt.step(ids[:, :6])
-        logits[compile] = [opt.step(ids[:, i:i + 1]) for i in range(6, 9)]
-        assert (opt._compiled != {}) == bool(compile)
+        with strict_compile():
+            logits[compile] = [opt.step(ids[:, i:i + 1]) for i in range(6, 9)]
+            assert_ran_compiled(graphs=1 if compile else 0)
     for eager, compiled in zip(logits[False], logits[mode]):
         torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
