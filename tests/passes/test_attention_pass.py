@@ -179,8 +179,15 @@ def test_a_layer_kind_the_pass_cannot_serve_is_declined_naming_the_layer():
 
 @pytest.mark.parametrize("config,match", [
     (transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4), "ALiBi"),
+    (transformers.MptConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=64), "ALiBi"),
+    (transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4), "encoder-decoder"),
+    (transformers.BartConfig(vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+                             decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64), "encoder-decoder"),
 ])
 def test_optimize_rejects_unsupported_models(config, match):
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if config.is_encoder_decoder:
+        model = transformers.AutoModelForSeq2SeqLM.from_config(config).eval()
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with pytest.raises(h2o_compile.UnsupportedModelError, match=match):
         h2o_compile.optimize(model)
