@@ -6,6 +6,8 @@ return what transformers returns: the prompt followed by the new tokens, [B, pro
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Optional, Sequence, Union
 
 import torch
@@ -116,8 +118,28 @@ def check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p) ->
         raise ValueError(f"top_p={top_p!r} must be None or in (0, 1]")
 
 
+# One lock per model object: a generate call owns the model's single cache from reset to its last step, so
+# calls on one model from several threads run one after the other (never reading another call's cache).
+_LOCKS: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model) -> threading.Lock:
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.Lock()
+        return lock
+
+
+def generate(model, *args, **kwargs) -> Tensor:
+    """Left-padded batch generation (see :func:`_generate`), serialized per model across threads."""
+    with model_lock(model):
+        return _generate(model, *args, **kwargs)
+
+
 @torch.no_grad()
-def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, *, max_new_tokens: int = 20,
+def _generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, *, max_new_tokens: int = 20,
              do_sample: bool = False, temperature: float = 1.0, top_k: Optional[int] = None,
              top_p: Optional[float] = None, eos_token_id: Union[int, Sequence[int], None] = None,
              pad_token_id: Optional[int] = None, streamer=None, generator: Optional[torch.Generator] = None

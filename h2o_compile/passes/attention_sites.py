@@ -216,7 +216,11 @@ def match_sdpa(node: Node) -> Union[AttentionSite, Decline, None]:
     declined = _check_self_attention(node, q, k, v)
     if declined:
         return declined
-    scale = _arg(node, 6, "scale")
+    if mask is None and not _arg(node, 5, "is_causal", False):
+        # No mask and not causal: every query sees every key, later ones included (an encoder), which a
+        # cache of past keys cannot serve.
+        return Decline(node, "SDPA without a mask and with is_causal=False is bidirectional attention")
+    scale = node.kwargs.get("scale")  # keyword-only in aten's schema
     if scale is None:
         scale = 1.0 / math.sqrt(_val(q).shape[-1])
     return AttentionSite(node, q, k, v, float(scale), "sdpa", layer=module_layer(node))

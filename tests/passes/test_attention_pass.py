@@ -99,6 +99,11 @@ class _Toy(torch.nn.Module):
         v = v.view(b, t, 2, 4).transpose(1, 2)
         if self.variant == "gqa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self.variant == "bidirectional":
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        if self.variant == "scale_arg":  # a non-default scale (keyword-only in aten's schema), own bool mask
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            return F.scaled_dot_product_attention(q, k, v, causal, 0.0, False, scale=0.125, enable_gqa=True)
         k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
         if self.variant == "alibi":
             bias = -torch.arange(t, dtype=x.dtype).view(1, 1, 1, t) * torch.ones(1, 4, t, 1)
@@ -145,6 +150,7 @@ def test_sdpa_with_enable_gqa_is_matched_with_kv_heads():
     ("alibi", "additive float mask"),
     ("tanh", "score transforms"),
     ("cross", "cross-attention"),
+    ("bidirectional", "bidirectional"),
     ("eager_alibi", "not a causal/padding mask"),
     ("eager_learned", "not a causal/padding mask"),
 ])
@@ -152,6 +158,11 @@ def test_unsupported_variants_are_declined_with_a_reason(variant, reason):
     sites, declines = find_attention_sites(_toy_graph(variant))
     assert sites == []
     assert len(declines) == 1 and reason in declines[0].reason
+
+
+def test_sdpa_non_default_scale_with_the_models_own_bool_mask_is_read():
+    (site,), declines = find_attention_sites(_toy_graph("scale_arg"))
+    assert declines == [] and site.scale == 0.125 and site.pattern == "sdpa"
 
 
 def test_eager_causal_mask_is_dropped_for_the_h2o_op():

@@ -162,3 +162,32 @@ def test_compile_modes_decode_like_eager(llama, mode):
             assert_ran_compiled(graphs=1 if compile else 0)
     for eager, compiled in zip(logits[False], logits[mode]):
         torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
+
+
+def test_generate_from_several_threads_is_serialized_and_never_mixes_caches(llama):
+    """One H2OModel, one cache: concurrent generate calls run one after the other, each with its own result."""
+    import threading
+
+    opt = h2o_compile.optimize(llama, budget=0.5, compile=False)
+    gen = torch.Generator().manual_seed(8)
+    requests = [torch.randint(1, VOCAB, (batch, length), generator=gen) for batch, length in
+                [(1, 5), (3, 17), (2, 9), (4, 30), (1, 40), (2, 3)]]
+    alone = [opt.generate(ids, max_new_tokens=12, eos_token_id=[]) for ids in requests]
+    results, errors = [None] * len(requests), []
+    start = threading.Barrier(len(requests))
+
+    def serve(i):
+        try:
+            start.wait()
+            results[i] = opt.generate(requests[i], max_new_tokens=12, eos_token_id=[])
+        except Exception as err:  # noqa: BLE001  (reported below)
+            errors.append(err)
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    for got, want in zip(results, alone):
+        assert torch.equal(got, want)
