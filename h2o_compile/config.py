@@ -98,14 +98,22 @@ class H2OConfig:
         """R = max(1, round(C x recent_ratio)): the newest R positions are never evicted."""
         return max(1, round(capacity * self.recent_ratio))
 
-    def layer_params(self, total_len: int, window: int) -> tuple[int, int, int]:
-        """(capacity, recent window, sink tokens) of one layer for a sequence of ``total_len`` tokens.
+    def layer_params(self, total_len: Optional[int], window: int, capacity: Optional[int] = None
+                     ) -> tuple[int, int, int]:
+        """(capacity, recent window, sink tokens) of one layer for a sequence of ``total_len`` tokens, or,
+        for a stream of unknown length (``total_len`` None), for the fixed ``capacity`` C.
 
         A full-attention layer (``window`` 0) gets C = capacity(total_len). A sliding-window layer keeps
         min(W, total_len) slots, all protected (only keys that left the window are evicted: no choice to
         make), or with ``compress_sliding`` min(C, W) slots under the policy.
         """
-        cap = self.capacity(total_len)
+        if total_len is None:
+            if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+                raise ValueError(f"capacity={capacity!r} must be an int >= 1 for a stream without max_seq_len")
+            self._check_split(capacity)
+            cap, total_len = capacity, window if window > 0 else capacity
+        else:
+            cap = self.capacity(total_len)
         if window <= 0:
             return cap, self.recent_window(cap), self.sink_tokens
         if not self.compress_sliding:

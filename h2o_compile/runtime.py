@@ -90,16 +90,29 @@ class H2OModel(nn.Module):
     def vocab_size(self) -> int:
         return int(text_config(self.model).vocab_size)
 
-    def reset(self, batch_size: int, max_seq_len: int) -> None:
-        """Allocate empty caches of C = capacity(max_seq_len) slots for ``batch_size`` rows."""
+    def reset(self, batch_size: int, max_seq_len: Optional[int] = None, *, capacity: Optional[int] = None) -> None:
+        """Allocate empty caches for ``batch_size`` rows.
+
+        ``reset(B, max_seq_len)``: C = capacity(max_seq_len) slots for a sequence of at most that many tokens.
+        ``reset(B, capacity=C)``: a stream with no end: C slots (sliding-window layers: their window, or
+        min(C, W) with compress_sliding) whatever the length fed; memory stays at C plus one block. The
+        stream may run up to the model's max_position_embeddings (positions are true text positions).
+        """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 1")
-        check_sequence_fits(self.limits, max_seq_len)
+        if (max_seq_len is None) == (capacity is None):
+            raise ValueError(f"give reset() either max_seq_len (a bounded sequence) or capacity (a stream), "
+                             f"not {'both' if capacity is not None else 'neither'}")
         cfg = self.h2o_config
-        cap = cfg.capacity(max_seq_len)
-        plan = [cfg.layer_params(max_seq_len, spec.window) for spec in self.layers]  # (slots, recent, sinks)
+        if max_seq_len is None:
+            plan = [cfg.layer_params(None, spec.window, capacity) for spec in self.layers]
+            cap = capacity
+        else:
+            if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+                raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 1")
+            check_sequence_fits(self.limits, max_seq_len)
+            cap = cfg.capacity(max_seq_len)
+            plan = [cfg.layer_params(max_seq_len, spec.window) for spec in self.layers]  # (slots, recent, sinks)
         params = dict(recent=[p[1] for p in plan], sinks=[p[2] for p in plan], policy=cfg.policy, seed=cfg.seed)
         if params != self._params:
             set_h2o_params(self.graph, **params)
@@ -193,7 +206,14 @@ class H2OModel(nn.Module):
             logits [B, T, V]; padding positions hold meaningless values.
         """
         state = self.state()
-        input_ids, valid, positions = generation.place_block(self.seen, self._fed, self.max_seq_len, input_ids,
+        limit = self.max_seq_len
+        if limit is None:  # a stream: bounded by the positions the model knows
+            limit = torch.iinfo(torch.int64).max
+            known = self.limits.max_positions
+            if known is not None and isinstance(input_ids, Tensor) and self._fed + input_ids.shape[-1] > known:
+                raise ValueError(f"the stream reaches {self._fed + input_ids.shape[-1]} tokens, beyond the "
+                                 f"model's max_position_embeddings={known} (keys keep their true positions)")
+        input_ids, valid, positions = generation.place_block(self.seen, self._fed, limit, input_ids,
                                                              attention_mask, self.device, self.vocab_size)
         t = input_ids.shape[1]
         self._fed += t
