@@ -4,8 +4,10 @@ from . import ops  # noqa: F401  (registers torch.ops.h2o.*)
 from .config import H2OConfig
 from .export import H2OOrtModel, export_onnx
 from .runtime import H2OModel, optimize
+from . import zoo
 from .support import UnsupportedModelError
-from .zoo import load_tiny
+from .zoo import load_gemma3_270m, load_tiny
 
-__all__ = ["H2OConfig", "H2OModel", "H2OOrtModel", "UnsupportedModelError", "export_onnx", "load_tiny", "optimize"]
+__all__ = ["H2OConfig", "H2OModel", "H2OOrtModel", "UnsupportedModelError", "export_onnx", "load_gemma3_270m",
+           "load_tiny", "optimize", "zoo"]
 __version__ = "0.1.0"
