@@ -49,3 +49,14 @@ def test_export_then_generate_with_onnx_backend_matches_torch(model_dir, tmp_pat
                  "--compile", "off"]) == 0
     torch_text = capsys.readouterr().out.split("\n")[0]
     assert onnx_text == torch_text and len(onnx_text.split()) > 10  # the prompt + new words (EOS may stop early)
+
+
+def test_model_arguments_take_gguf_files_and_zoo_names(tmp_path):
+    from h2o_compile.cli import load_local
+
+    with pytest.raises(SystemExit, match="no such .gguf file"):
+        load_local(str(tmp_path / "model.gguf"))
+    with pytest.raises(SystemExit, match="a .gguf file, or one of gemma3-270m, tiny"):
+        load_local(str(tmp_path / "nothing-here"))
+    model, tokenizer = load_local("tiny")
+    assert model.config.model_type == "llama" and tokenizer("the river")["input_ids"]
