@@ -136,7 +136,7 @@ def cmd_eval(args) -> int:
     if "full" in args.policies:
         args.policies = ["full"] + [p for p in args.policies if p != "full"]
     torch.manual_seed(0)
-    model, tokenizer = _model_or_tiny(args.model)
+    model, tokenizer = load_local(args.model or "tiny")  # the tiny model is the zoo name "tiny"
     settings = EvalSettings(budgets=args.budgets, policies=args.policies, seq_len=args.seq_len,
                             num_seqs=args.num_seqs, batch_size=args.batch_size, prompt_len=args.prompt_len,
                             gen_prompt_len=args.gen_prompt_len, gen_new_tokens=args.gen_new_tokens,
@@ -167,14 +167,6 @@ def _model_name(path) -> str:
     from . import zoo
 
     return path if path in zoo.MODELS else Path(path).name
-
-
-def _model_or_tiny(path):
-    if path:
-        return load_local(path)
-    from .zoo import load_tiny
-
-    return load_tiny()
 
 
 def cmd_demo(args) -> int:

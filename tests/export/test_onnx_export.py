@@ -21,6 +21,7 @@ from h2o_compile.export.onnx import export_onnx
 from h2o_compile.export.onnx_function import DOMAIN, FUNCTION_NAME
 from h2o_compile.export.ort import H2OOrtModel
 
+from ..helpers import CollectStreamer
 from ..runtime.arch_configs import VOCAB, build
 
 MAX_SEQ_LEN = 64
@@ -230,19 +231,6 @@ def test_bad_ort_arguments_raise_value_error(exported, tmp_path):
         model.step(torch.ones(3, 1, dtype=torch.long))
 
 
-class _Collect:
-    """A transformers-style streamer: put() per chunk of tokens, end() once."""
-
-    def __init__(self):
-        self.chunks, self.ended = [], False
-
-    def put(self, value):
-        self.chunks.append(value.clone())
-
-    def end(self):
-        self.ended = True
-
-
 def test_export_from_an_h2o_model_samples_and_streams_like_it(tmp_path):
     """export_onnx takes an H2OModel and keeps its settings; seeded sampling through H2OOrtModel draws the same
     tokens as the H2OModel (same logits, same generator), and a streamer sees the prompt then every token."""
@@ -254,7 +242,7 @@ def test_export_from_an_h2o_model_samples_and_streams_like_it(tmp_path):
     ours = H2OOrtModel.from_pretrained(out, provider="cpu")
     ids, mask = prompts(seed=9)
     sample = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_k=30, top_p=0.95, pad_token_id=0)
-    streamer = _Collect()
+    streamer = CollectStreamer()
     a = ours.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(2), streamer=streamer,
                       **sample)
     b = theirs.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(2), **sample)

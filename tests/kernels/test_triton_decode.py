@@ -14,6 +14,7 @@ import torch
 
 from h2o_compile.kernels import reference
 
+from ..helpers import sink_logits_for
 from .conftest import HAS_CUDA, assert_close_out, assert_same_state, random_block
 from .h2o_simulation import SimulatedCache
 
@@ -74,11 +75,6 @@ def test_decode_matches_reference(triton_device, shape, dtype):
 def test_decode_policies_match_reference(triton_device, policy, sinks):
     shape = (3, 8, 2, 32, 21, 16) if triton_device.type == "cpu" else (4, 32, 8, 128, 500, 64)
     run_decode(triton_device, shape, torch.float32, policy, sinks, steps=5, seed=1)
-
-
-def sink_logits_for(hq, device, seed=11):
-    """[Hq] learned sink logits, large enough to take a real share of the softmax."""
-    return (torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2.0).to(device)
 
 
 # Windows: 5 < C (the prompt leaves at most 5 live keys, so the steps fill empty slots while dead keys linger,

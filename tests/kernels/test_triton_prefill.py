@@ -13,6 +13,7 @@ import torch
 
 from h2o_compile.kernels import reference
 
+from ..helpers import sink_logits_for
 from .conftest import HAS_CUDA, assert_close_out, assert_same_state, random_block
 
 pytest.importorskip("triton")
@@ -67,11 +68,6 @@ def test_prefill_matches_reference(triton_device, shape, dtype):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_prefill_policies_match_reference(triton_device, policy, sinks):
     run_schedule(triton_device, (3, 8, 2, 32, 9), torch.float32, policy, sinks, [17, 6, 20], seed=1)
-
-
-def sink_logits_for(hq, device, seed=11):
-    """[Hq] learned sink logits, large enough to take a real share of the softmax."""
-    return (torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2.0).to(device)
 
 
 # Window 5: most tile pairs lie wholly outside it (the kernels skip them); 24: larger than C and a chunk.

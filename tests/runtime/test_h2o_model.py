@@ -7,6 +7,7 @@ import torch
 
 import h2o_compile
 
+from ..helpers import CollectStreamer
 from .arch_configs import VOCAB, build
 from .compile_checks import assert_ran_compiled, strict_compile
 from .hf_simulation import simulate_logits
@@ -65,19 +66,9 @@ def test_eos_stops_and_pads_like_transformers(llama):
 
 
 def test_streamer_sees_prompt_then_each_token(llama):
-    class Collect:
-        def __init__(self):
-            self.chunks, self.ended = [], False
-
-        def put(self, value):
-            self.chunks.append(value.clone())
-
-        def end(self):
-            self.ended = True
-
     opt = h2o_compile.optimize(llama, budget=0.5, compile=False)
     ids = torch.randint(1, VOCAB, (1, 5))
-    streamer = Collect()
+    streamer = CollectStreamer()
     out = opt.generate(ids, max_new_tokens=4, streamer=streamer)
     assert streamer.ended and len(streamer.chunks) == 5
     assert torch.equal(torch.cat([c.view(1, -1) for c in streamer.chunks], dim=1), out)
