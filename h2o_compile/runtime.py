@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Union
 
 import torch
@@ -12,7 +13,7 @@ from .capture import capture
 from .config import H2OConfig
 from .kernels.reference import empty_state
 from .ops import backend_for
-from .passes import (LayerSpec, find_attention_sites, fuse_decode_bookkeeping, rewrite_attention, set_h2o_params,
+from .passes import (LayerSpec, decode_step_graph, find_attention_sites, rewrite_attention, set_h2o_params,
                      state_names)
 from .support import ModelLimits, UnsupportedModelError, check_sequence_fits, check_supported, text_config
 
@@ -20,28 +21,45 @@ _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no
 _COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
 
 
-def compile_step(fn, mode: str, device: torch.device):
-    """``fn`` under torch.compile (fullgraph, static shapes) in ``mode``, as H2OModel compiles its decode step.
+# The decode step's sizes that change between requests, as dynamo names the inputs of a decode_step_graph: the
+# recent windows (ints) and the cache slots (dim 2 of every state tensor) are dynamic; the batch (dim 0 of
+# every input) is unbacked, so that a batch of one does not get a graph of its own. Everything else (head
+# counts, head dims, the one-token block) stays static, as do the weights.
+DYNAMIC_SOURCES = r"L\['recent\d+'\],L\['layer\d+_.*'\]:2,L\['(input_ids|position_ids|valid|layer\d+_.*)'\]:0"
+
+
+def compile_step(fn, mode: str, device: torch.device, dynamic: bool = False):
+    """``fn`` under torch.compile (fullgraph) in ``mode``, as H2OModel compiles its decode step; ``dynamic``
+    compiles one graph for every size of its inputs (H2OModel: batch and cache slots, see ``_decode_fn``).
 
     On CPU, ``"max-autotune"`` also freezes the weights: they become constants of the compiled step, which
     lets Inductor prepack them for its GEMM templates (the small-batch decode matmuls are what this speeds up;
     the packed copy costs a second copy of the weights in memory, and changing the weights afterwards needs
-    a new compile). Inductor reads ``freezing`` from its config when it compiles, which happens lazily at a
-    call, so every call runs under the patch (~30 us)."""
+    a new compile)."""
     options = dict(torch._inductor.list_mode_options(mode))
     skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.8
     if isinstance(fn, nn.Module) and skip_module_guards is not None:
         # The graph's weights never change under a compiled step: skip re-checking every parameter per call.
         options["guard_filter_fn"] = skip_module_guards
     compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
-    if mode != "max-autotune" or device.type == "cuda":
+    patches = []
+    if dynamic:
+        patches.append(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SOURCES))
+        patches.append(torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True))
+    if mode == "max-autotune" and device.type != "cuda":
+        patches.append(torch._inductor.config.patch(freezing=True))
+    if not patches:
         return compiled
 
-    def frozen_step(*args, **kwargs):
-        with torch._inductor.config.patch(freezing=True):
+    def patched_step(*args, **kwargs):
+        # Dynamo and Inductor read these configs when they compile, which happens lazily at a call, so every
+        # call runs under the patches (~30 us each).
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
             return compiled(*args, **kwargs)
 
-    return frozen_step
+    return patched_step
 
 
 def _check_compile(compile) -> None:
@@ -115,9 +133,8 @@ class H2OModel(nn.Module):
             plan = [cfg.layer_params(max_seq_len, spec.window) for spec in self.layers]  # (slots, recent, sinks)
         params = dict(recent=[p[1] for p in plan], sinks=[p[2] for p in plan], policy=cfg.policy, seed=cfg.seed)
         if params != self._params:
-            set_h2o_params(self.graph, **params)
+            set_h2o_params(self.graph, **params)  # the eager graph's constants; compiled steps take `recent`
             self._params = params
-            self._compiled.clear()  # the constants live in the graph code
         device = self.device
         for i, (spec, (slots, _, _)) in enumerate(zip(self.layers, plan)):
             state = empty_state(batch_size, spec.kv_heads, slots, spec.head_dim, value_dim=spec.value_dim,
@@ -173,7 +190,8 @@ class H2OModel(nn.Module):
         return self.graph(input_ids, positions, valid, *state)
 
     def _decode_fn(self):
-        """The one-token step, compiled once per (batch size, capacity) when compilation is on."""
+        """The one-token step: the graph itself, or, when compilation is on, one compiled step for every batch
+        size and capacity (dynamic shapes; the recent windows are int inputs, see passes.decode_step_graph)."""
         mode = self.compile_mode
         cuda = self.device.type == "cuda"
         if mode == "auto":
@@ -182,18 +200,16 @@ class H2OModel(nn.Module):
             return self._run_graph
         if mode is True:
             mode = "reduce-overhead" if cuda else "default"  # CUDA graphs for the step on GPU
-        key = (int(self.seen.shape[0]), self.capacity)
+        key = (tuple(self._params["sinks"]), self._params["policy"], self._params["seed"])
         if key not in self._compiled:
-            graph = self.graph
-            if backend_for(self.device) == "reference":
-                # Let Inductor fuse the eviction bookkeeping with the rest of the step (the Triton decode
-                # kernel already fuses it on GPU).
-                graph = fuse_decode_bookkeeping(self.graph)
-            # Compile the GraphModule itself, not a method of this class: dynamo counts recompiles per code
-            # object, and every graph (and every set_h2o_params) has its own generated forward, so many
-            # H2OModels in one process (an eval sweep) never share one recompile limit.
-            self._compiled[key] = compile_step(graph, mode, self.device)
-        return self._compiled[key]
+            # On CPU, let Inductor fuse the eviction bookkeeping with the rest of the step (the Triton decode
+            # kernel already fuses it on GPU). Compile the GraphModule itself, not a method of this class:
+            # dynamo counts recompiles per code object, and every graph has its own generated forward, so
+            # many H2OModels in one process (an eval sweep) never share one recompile limit.
+            graph = decode_step_graph(self.graph, fuse_bookkeeping=backend_for(self.device) == "reference")
+            self._compiled[key] = compile_step(graph, mode, self.device, dynamic=True)
+        compiled, recent = self._compiled[key], self._params["recent"]
+        return lambda *inputs: compiled(*inputs, *recent)
 
     @torch.no_grad()
     def step(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:

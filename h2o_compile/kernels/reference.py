@@ -335,18 +335,19 @@ def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, new
     priority = eviction_priority(policy, scores, pos_cache, newest, recent, sinks, seed, window)
     lowest = priority == priority.amin(dim=-1, keepdim=True)
     tie_pos = torch.where(lowest, pos_cache, torch.full_like(pos_cache, torch.iinfo(torch.int64).max))
-    slot = tie_pos.argmin(dim=-1)                                                # [B, Hkv]
-    b, hkv = slot.shape
-    rows = torch.arange(b, device=slot.device)[:, None]
-    heads = torch.arange(hkv, device=slot.device)[None, :]
-    write = valid.view(b, 1)                                                     # padding leaves the cache as is
+    slot = tie_pos.argmin(dim=-1).reshape(-1)                                    # [B * Hkv]
+    b, hkv, cap = pos_cache.shape
+    entry = torch.arange(b * hkv, device=slot.device)                            # (row, head) pairs, flat
+    write = valid.reshape(b, 1).expand(b, hkv).reshape(-1)                       # padding leaves the cache as is
 
     def put(buf: Tensor, new: Tensor) -> None:
         # Indexed reads/writes of one entry per (row, head): a compiler keeps them in place (a scatter over a
-        # gathered index would make Inductor copy the whole cache).
-        old = buf[rows, heads, slot]                                             # [B, Hkv] or [B, Hkv, D]
-        mask = write if old.dim() == 2 else write[..., None]
-        buf.index_put_((rows, heads, slot), torch.where(mask, new.reshape(old.shape).to(buf.dtype), old))
+        # gathered index would make Inductor copy the whole cache). Flat (row, head) indices of one shape:
+        # broadcasting [B, 1] against [1, Hkv] would make dynamo specialise a batch of one.
+        flat = buf.view(b * hkv, cap, *buf.shape[3:])
+        old = flat[entry, slot]                                                  # [B*Hkv] or [B*Hkv, D]
+        mask = write if old.dim() == 1 else write[:, None]
+        flat.index_put_((entry, slot), torch.where(mask, new.reshape(old.shape).to(buf.dtype), old))
 
     score_cache.copy_(scores)
     put(key_cache, k)

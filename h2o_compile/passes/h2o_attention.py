@@ -120,20 +120,27 @@ def set_h2o_params(gm: GraphModule, *, recent, sinks, policy: str, seed: int) ->
     return changed
 
 
-def fuse_decode_bookkeeping(gm: GraphModule) -> GraphModule:
-    """A copy of an in-place graph, sharing its weights, whose ``h2o.attention_`` nodes call
-    ``ops.decode_fusable_`` instead: the attention stays an opaque op, the eviction bookkeeping becomes plain
-    torch ops that torch.compile fuses. Only for the one-token decode step, compiled (see H2OModel)."""
+def decode_step_graph(gm: GraphModule, *, fuse_bookkeeping: bool) -> GraphModule:
+    """A copy of an in-place graph, sharing its weights, for the compiled one-token step: its h2o ops read
+    their recent window from int inputs ``recent{i}`` (one per layer, after the state) instead of graph
+    constants, so one compiled step serves every capacity (runtime.H2OModel passes them per call).
+
+    ``fuse_bookkeeping``: the ``h2o.attention_`` nodes call ``ops.decode_fusable_`` instead: the attention
+    stays an opaque op, the eviction bookkeeping becomes plain torch ops that torch.compile fuses (the CPU
+    path; the Triton decode kernel already fuses it on GPU)."""
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
-    fused = 0
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target is _INPLACE:
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is _INPLACE]
+    if not nodes:
+        raise ValueError("decode_step_graph: the graph has no in-place h2o.attention_ node")
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for i, node in enumerate(nodes):
+        with graph.inserting_after(last):
+            last = graph.placeholder(f"recent{i}")
+        node.args = node.args[:_PARAMS_AT] + (last,) + node.args[_PARAMS_AT + 1:]
+        if fuse_bookkeeping:
             node.target = ops.decode_fusable_
-            fused += 1
-    if fused == 0:
-        raise ValueError("fuse_decode_bookkeeping: the graph has no in-place h2o.attention_ node")
     graph.lint()
     return GraphModule(gm, graph)
 
