@@ -62,6 +62,14 @@ def compile_step(fn, mode: str, device: torch.device, dynamic: bool = False):
     return patched_step
 
 
+def _positive_ints(name: str, values) -> list[int]:
+    values = [values] if isinstance(values, int) else list(values)
+    bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad or not values:
+        raise ValueError(f"{name}={values!r} must be ints >= 1")
+    return values
+
+
 def _check_compile(compile) -> None:
     if isinstance(compile, bool) or (isinstance(compile, str) and compile in _COMPILE_CHOICES):
         return
@@ -189,17 +197,23 @@ class H2OModel(nn.Module):
     def _run_graph(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor) -> Tensor:
         return self.graph(input_ids, positions, valid, *state)
 
-    def _decode_fn(self):
-        """The one-token step: the graph itself, or, when compilation is on, one compiled step for every batch
-        size and capacity (dynamic shapes; the recent windows are int inputs, see passes.decode_step_graph)."""
-        mode = self.compile_mode
-        cuda = self.device.type == "cuda"
+    def resolved_compile_mode(self) -> Optional[str]:
+        """The torch.compile mode of the decode step on this model's device, or None when it runs eagerly."""
+        mode, cuda = self.compile_mode, self.device.type == "cuda"
         if mode == "auto":
             mode = cuda
         if mode is False:
-            return self._run_graph
+            return None
         if mode is True:
-            mode = "reduce-overhead" if cuda else "default"  # CUDA graphs for the step on GPU
+            return "reduce-overhead" if cuda else "default"  # CUDA graphs for the step on GPU
+        return mode
+
+    def _decode_fn(self):
+        """The one-token step: the graph itself, or, when compilation is on, one compiled step for every batch
+        size and capacity (dynamic shapes; the recent windows are int inputs, see passes.decode_step_graph)."""
+        mode = self.resolved_compile_mode()
+        if mode is None:
+            return self._run_graph
         key = (tuple(self._params["sinks"]), self._params["policy"], self._params["seed"])
         if key not in self._compiled:
             # On CPU, let Inductor fuse the eviction bookkeeping with the rest of the step (the Triton decode
@@ -210,6 +224,33 @@ class H2OModel(nn.Module):
             self._compiled[key] = compile_step(graph, mode, self.device, dynamic=True)
         compiled, recent = self._compiled[key], self._params["recent"]
         return lambda *inputs: compiled(*inputs, *recent)
+
+    @torch.no_grad()
+    def warmup(self, batch_sizes=(1,), max_seq_lens=(256,), *, progress: bool = True) -> int:
+        """Compile the decode step ahead of the requests a server will see, like the CUDA-graph capture sizes
+        of serving engines: one decode step for every (batch size, max_seq_len) pair. On CPU the first pair
+        compiles the one step every later shape shares; on GPU each pair also records its CUDA graph.
+
+        Args:
+            batch_sizes: ints >= 1; max_seq_lens: ints >= 1 (prompt + new tokens, as generate sizes them).
+            progress: show a progress bar.
+        Returns:
+            how many graphs dynamo compiled (0 when compilation is off, or already warm).
+        The cache holds no request afterwards: call ``reset`` or ``generate`` next.
+        """
+        from torch._dynamo.utils import counters
+        from tqdm.auto import tqdm
+
+        pairs = [(b, n) for b in _positive_ints("batch_sizes", batch_sizes)
+                 for n in _positive_ints("max_seq_lens", max_seq_lens)]
+        if self.resolved_compile_mode() is None:
+            return 0
+        before = counters["stats"]["unique_graphs"]
+        for batch, total in tqdm(pairs, desc="warmup", unit="shape", disable=not progress):
+            self.reset(batch, total)
+            self.step(torch.zeros(batch, 1, dtype=torch.long, device=self.device))
+        self.capacity, self.max_seq_len, self._fed = None, None, 0
+        return counters["stats"]["unique_graphs"] - before
 
     @torch.no_grad()
     def step(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
