@@ -160,7 +160,7 @@ def _generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None,
     model.reset(batch, prompt_len + max_new_tokens)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    logits = model.step(input_ids, mask)[:, -1]
+    logits = model.step(input_ids, mask, logits_to_keep=1)[:, -1]
     unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
     pieces = [input_ids]
     for i in range(max_new_tokens):

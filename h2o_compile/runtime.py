@@ -13,8 +13,8 @@ from .capture import capture
 from .config import H2OConfig
 from .kernels.reference import empty_state
 from .ops import backend_for
-from .passes import (LayerSpec, decode_step_graph, find_attention_sites, rewrite_attention, set_h2o_params,
-                     state_names)
+from .passes import (LayerSpec, decode_step_graph, find_attention_sites, last_position_logits, rewrite_attention,
+                     set_h2o_params, state_names)
 from .support import ModelLimits, UnsupportedModelError, check_sequence_fits, check_supported, text_config
 
 _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -100,6 +100,7 @@ class H2OModel(nn.Module):
         self._fed = 0
         self._params = None
         self._compiled = {}
+        self._last_logits_graph = None  # built on demand from the graph with the current H2O params
         self.register_buffer("seen", torch.zeros(0, dtype=torch.long), persistent=False)
 
     # -- state ---------------------------------------------------------------------------------------------
@@ -143,6 +144,7 @@ class H2OModel(nn.Module):
         if params != self._params:
             set_h2o_params(self.graph, **params)  # the eager graph's constants; compiled steps take `recent`
             self._params = params
+            self._last_logits_graph = None
         device = self.device
         for i, (spec, (slots, _, _)) in enumerate(zip(self.layers, plan)):
             state = empty_state(batch_size, spec.kv_heads, slots, spec.head_dim, value_dim=spec.value_dim,
@@ -253,15 +255,20 @@ class H2OModel(nn.Module):
         return counters["stats"]["unique_graphs"] - before
 
     @torch.no_grad()
-    def step(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
+    def step(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, *, logits_to_keep: int = 0) -> Tensor:
         """Append a block of tokens and return its logits.
 
         Args:
             input_ids: [B, T] (B as given to reset).
             attention_mask: [B, T], 0 for (left) padding, or None for all ones.
+            logits_to_keep: 0 = the logits of every position, 1 = of the last one only (as transformers'
+                argument: a prompt's [B, T, V] logits are never built, which for a large vocabulary is most
+                of the prefill's memory).
         Returns:
-            logits [B, T, V]; padding positions hold meaningless values.
+            logits [B, T, V] (or [B, 1, V]); padding positions hold meaningless values.
         """
+        if logits_to_keep not in (0, 1) or isinstance(logits_to_keep, bool):
+            raise ValueError(f"logits_to_keep={logits_to_keep!r}; allowed: 0 (every position) or 1 (the last)")
         state = self.state()
         limit = self.max_seq_len
         if limit is None:  # a stream: bounded by the positions the model knows
@@ -278,9 +285,26 @@ class H2OModel(nn.Module):
             return self._decode_fn()(input_ids, positions, valid, *state)
         chunk = self.h2o_config.prefill
         chunk = t if chunk == "full" else chunk
-        logits = [self._run_graph(input_ids[:, i:i + chunk], positions[:, i:i + chunk], valid[:, i:i + chunk],
-                                  *state) for i in range(0, t, chunk)]
-        return torch.cat(logits, dim=1)
+        blocks = [slice(i, i + chunk) for i in range(0, t, chunk)]
+        if logits_to_keep == 1:
+            last = self._last_logits()
+            for block in blocks[:-1]:
+                last(input_ids[:, block], positions[:, block], valid[:, block], *state)
+            block = blocks[-1]
+            return last(input_ids[:, block], positions[:, block], valid[:, block], *state)
+        return torch.cat([self._run_graph(input_ids[:, block], positions[:, block], valid[:, block], *state)
+                          for block in blocks], dim=1)
+
+    def _last_logits(self):
+        """The graph variant that projects only the block's last position through the output embeddings."""
+        if self._last_logits_graph is None:
+            head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+            path = next((name for name, module in self.model.named_modules() if module is head), None)
+            try:
+                self._last_logits_graph = last_position_logits(self.graph, f"model.{path}")
+            except ValueError:  # no recognisable output projection: slice the full logits instead
+                self._last_logits_graph = lambda *inputs: self.graph(*inputs)[:, -1:]
+        return self._last_logits_graph
 
     def generate(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, max_new_tokens: int = 20,
                  do_sample: bool = False, temperature: float = 1.0, top_k: Optional[int] = None,

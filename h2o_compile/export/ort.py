@@ -222,14 +222,17 @@ class H2OOrtModel:
         return logits
 
     @torch.no_grad()
-    def step(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+    def step(self, input_ids: Tensor, attention_mask: Tensor | None = None, *, logits_to_keep: int = 0) -> Tensor:
         """Append a block of tokens and return its logits, exactly like :meth:`H2OModel.step`.
 
         Args:
             input_ids: [B, T] (B as given to reset); attention_mask: [B, T], 0 = left padding, or None.
+            logits_to_keep: 0 = every position, 1 = the last one (the exported graph computes them all).
         Returns:
-            logits [B, T, V] on ``self.device``; padding positions hold meaningless values.
+            logits [B, T, V] (or [B, 1, V]) on ``self.device``; padding positions hold meaningless values.
         """
+        if logits_to_keep not in (0, 1) or isinstance(logits_to_keep, bool):
+            raise ValueError(f"logits_to_keep={logits_to_keep!r}; allowed: 0 (every position) or 1 (the last)")
         self.state()
         input_ids, valid, positions = generation.place_block(self.seen, self._fed, self.max_seq_len, input_ids,
                                                              attention_mask, self.device,
@@ -240,6 +243,8 @@ class H2OOrtModel:
         chunk = t if chunk == "full" or t == 1 else int(chunk)
         logits = [self._run(input_ids[:, i:i + chunk], positions[:, i:i + chunk], valid[:, i:i + chunk])
                   for i in range(0, t, chunk)]
+        if logits_to_keep == 1:
+            return logits[-1][:, -1:]
         return logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
 
     def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 20,

@@ -130,3 +130,27 @@ def test_unfused_step_takes_its_recent_window_at_run_time(long_llama):
             for layer in range(2):
                 assert torch.equal(eager.kept_positions(layer), reference.kept_positions(layer))
         assert_ran_compiled(graphs=1)
+
+
+@pytest.mark.parametrize("prefill", ["full", 16])
+def test_last_position_logits_equal_the_full_logits_and_leave_the_same_cache(long_llama, prefill):
+    """step(logits_to_keep=1), what generate uses for the prompt, projects only the last position: the same
+    logits as the last row of the full [B, T, V] and the same cache afterwards, in one block or in chunks;
+    a second request (new capacity, new recent window) rebuilds it from the current parameters."""
+    full = h2o_compile.optimize(long_llama, budget=0.25, prefill=prefill, compile=False)
+    last = h2o_compile.optimize(long_llama, budget=0.25, prefill=prefill, compile=False)
+    gen = torch.Generator().manual_seed(4)
+    for batch, prompt in ((2, 60), (3, 100)):
+        ids = torch.randint(1, VOCAB, (batch, prompt), generator=gen)
+        mask = torch.ones(batch, prompt, dtype=torch.long)
+        mask[0, :7] = 0
+        for opt in (full, last):
+            opt.reset(batch, prompt + 8)
+        expected = full.step(ids, mask)[:, -1:]
+        ours = last.step(ids, mask, logits_to_keep=1)
+        assert ours.shape == (batch, 1, VOCAB)
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+        for a, b in zip(full.state(), last.state()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"logits_to_keep=2; allowed: 0 \(every position\) or 1"):
+        last.step(ids[:, :1], logits_to_keep=2)
