@@ -167,7 +167,7 @@ def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: O
     """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: the opaque attention op, then
     reference.evict_and_write_ as plain torch ops that torch.compile fuses into the step's generated code
     (on CPU one loop nest per layer instead of ~25 small eager kernels). Same signature and result as the op;
-    the compiled CPU decode graph calls this (passes.decode_step_graph)."""
+    the compiled CPU decode graph calls this (passes.fuse_decode_bookkeeping)."""
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
                  window, softcap, sink_logits)
     if q.shape[2] != 1:

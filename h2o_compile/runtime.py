@@ -13,15 +13,15 @@ from .capture import capture
 from .config import H2OConfig
 from .kernels.reference import empty_state
 from .ops import backend_for
-from .passes import (LayerSpec, decode_step_graph, find_attention_sites, last_position_logits, rewrite_attention,
-                     set_h2o_params, state_names)
+from .passes import (LayerSpec, find_attention_sites, fuse_decode_bookkeeping, last_position_logits,
+                     rewrite_attention, runtime_recent_graph, set_h2o_params, state_names)
 from .support import ModelLimits, UnsupportedModelError, check_sequence_fits, check_supported, text_config
 
 _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
 
 
-# The decode step's sizes that change between requests, as dynamo names the inputs of a decode_step_graph: the
+# The decode step's sizes that change between requests, as dynamo names the inputs of H2OModel's graph: the
 # recent windows (ints) and the cache slots (dim 2 of every state tensor) are dynamic; the batch (dim 0 of
 # every input) is unbacked, so that a batch of one does not get a graph of its own. Everything else (head
 # counts, head dims, the one-token block) stays static, as do the weights.
@@ -89,7 +89,7 @@ class H2OModel(nn.Module):
         super().__init__()
         _check_compile(compile)
         self.model = model  # kept for .config / .generation_config; the graph shares its weights
-        self.graph = graph
+        self.graph = runtime_recent_graph(graph)  # forward(input_ids, position_ids, valid, *state, *recent)
         self.layers = layers
         self.h2o_config = config
         self.limits = limits
@@ -98,7 +98,8 @@ class H2OModel(nn.Module):
         self.layer_capacities: list[int] = []         # slots per layer (sliding-window layers may differ)
         self.max_seq_len: Optional[int] = None
         self._fed = 0
-        self._params = None
+        self._fixed = None   # sinks per layer, policy, seed: constants of the graph
+        self._recent = []    # the recent window per layer, an input of every call
         self._compiled = {}
         self._last_logits_graph = None  # built on demand from the graph with the current H2O params
         self.register_buffer("seen", torch.zeros(0, dtype=torch.long), persistent=False)
@@ -140,11 +141,12 @@ class H2OModel(nn.Module):
             check_sequence_fits(self.limits, max_seq_len)
             cap = cfg.capacity(max_seq_len)
             plan = [cfg.layer_params(max_seq_len, spec.window) for spec in self.layers]  # (slots, recent, sinks)
-        params = dict(recent=[p[1] for p in plan], sinks=[p[2] for p in plan], policy=cfg.policy, seed=cfg.seed)
-        if params != self._params:
-            set_h2o_params(self.graph, **params)  # the eager graph's constants; compiled steps take `recent`
-            self._params = params
+        fixed = dict(sinks=[p[2] for p in plan], policy=cfg.policy, seed=cfg.seed)
+        if fixed != self._fixed:  # the same for every request of a model: set once
+            set_h2o_params(self.graph, **fixed)
+            self._fixed = fixed
             self._last_logits_graph = None
+        self._recent = [p[1] for p in plan]
         device = self.device
         for i, (spec, (slots, _, _)) in enumerate(zip(self.layers, plan)):
             state = empty_state(batch_size, spec.kv_heads, slots, spec.head_dim, value_dim=spec.value_dim,
@@ -197,7 +199,7 @@ class H2OModel(nn.Module):
     # -- running -------------------------------------------------------------------------------------------
 
     def _run_graph(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor) -> Tensor:
-        return self.graph(input_ids, positions, valid, *state)
+        return self.graph(input_ids, positions, valid, *state, *self._recent)
 
     def resolved_compile_mode(self) -> Optional[str]:
         """The torch.compile mode of the decode step on this model's device, or None when it runs eagerly."""
@@ -212,19 +214,19 @@ class H2OModel(nn.Module):
 
     def _decode_fn(self):
         """The one-token step: the graph itself, or, when compilation is on, one compiled step for every batch
-        size and capacity (dynamic shapes; the recent windows are int inputs, see passes.decode_step_graph)."""
+        size and capacity (dynamic shapes; the recent windows are int inputs, see passes.runtime_recent_graph)."""
         mode = self.resolved_compile_mode()
         if mode is None:
             return self._run_graph
-        key = (tuple(self._params["sinks"]), self._params["policy"], self._params["seed"])
+        key = (tuple(self._fixed["sinks"]), self._fixed["policy"], self._fixed["seed"])
         if key not in self._compiled:
             # On CPU, let Inductor fuse the eviction bookkeeping with the rest of the step (the Triton decode
             # kernel already fuses it on GPU). Compile the GraphModule itself, not a method of this class:
             # dynamo counts recompiles per code object, and every graph has its own generated forward, so
             # many H2OModels in one process (an eval sweep) never share one recompile limit.
-            graph = decode_step_graph(self.graph, fuse_bookkeeping=backend_for(self.device) == "reference")
+            graph = fuse_decode_bookkeeping(self.graph) if backend_for(self.device) == "reference" else self.graph
             self._compiled[key] = compile_step(graph, mode, self.device, dynamic=True)
-        compiled, recent = self._compiled[key], self._params["recent"]
+        compiled, recent = self._compiled[key], self._recent
         return lambda *inputs: compiled(*inputs, *recent)
 
     @torch.no_grad()
@@ -289,9 +291,9 @@ class H2OModel(nn.Module):
         if logits_to_keep == 1:
             last = self._last_logits()
             for block in blocks[:-1]:
-                last(input_ids[:, block], positions[:, block], valid[:, block], *state)
+                last(input_ids[:, block], positions[:, block], valid[:, block], *state, *self._recent)
             block = blocks[-1]
-            return last(input_ids[:, block], positions[:, block], valid[:, block], *state)
+            return last(input_ids[:, block], positions[:, block], valid[:, block], *state, *self._recent)
         return torch.cat([self._run_graph(input_ids[:, block], positions[:, block], valid[:, block], *state)
                           for block in blocks], dim=1)
 

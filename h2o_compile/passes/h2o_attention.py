@@ -5,7 +5,8 @@ After:  ``forward(input_ids, position_ids, valid, *state) -> logits`` (in place:
         ``-> (logits, *new_state)`` (functional, for export), where ``state`` is, per layer i, the four
         tensors key/value/score/position of kernels/reference.py, named ``layer{i}_key`` ... as placeholders.
 The mask nodes become dead and are removed. The H2O parameters (recent window, sinks, policy, seed) are
-constants of the op nodes; :func:`set_h2o_params` updates them when the capacity changes. Each layer's
+constants of the op nodes (:func:`set_h2o_params`); :func:`runtime_recent_graph` turns the recent windows, which
+follow from each request's capacity, into inputs (what H2OModel runs). Each layer's
 attention kind (sliding window from the config; soft-cap and learned sink logits from the graph) follows them
 as the op's last three arguments.
 """
@@ -100,11 +101,14 @@ def rewrite_attention(gm: GraphModule, sites: list[AttentionSite], *, functional
     return specs
 
 
-def set_h2o_params(gm: GraphModule, *, recent, sinks, policy: str, seed: int) -> int:
+def set_h2o_params(gm: GraphModule, *, recent=None, sinks, policy: str, seed: int) -> int:
     """Set the H2O constants of every h2o op node; returns how many nodes changed (recompiles if any).
 
-    ``recent`` and ``sinks``: one int for every layer, or a sequence with one per layer (graph order)."""
+    ``recent`` and ``sinks``: one int for every layer, or a sequence with one per layer (graph order);
+    ``recent=None`` leaves the recent windows as they are (graph inputs, see :func:`runtime_recent_graph`)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_INPLACE, _FUNCTIONAL)]
+    if recent is None:
+        recent = [n.args[_PARAMS_AT] for n in nodes]
     recent = [recent] * len(nodes) if isinstance(recent, int) else list(recent)
     sinks = [sinks] * len(nodes) if isinstance(sinks, int) else list(sinks)
     if not len(recent) == len(sinks) == len(nodes):
@@ -120,27 +124,40 @@ def set_h2o_params(gm: GraphModule, *, recent, sinks, policy: str, seed: int) ->
     return changed
 
 
-def decode_step_graph(gm: GraphModule, *, fuse_bookkeeping: bool) -> GraphModule:
-    """A copy of an in-place graph, sharing its weights, for the compiled one-token step: its h2o ops read
-    their recent window from int inputs ``recent{i}`` (one per layer, after the state) instead of graph
-    constants, so one compiled step serves every capacity (runtime.H2OModel passes them per call).
-
-    ``fuse_bookkeeping``: the ``h2o.attention_`` nodes call ``ops.decode_fusable_`` instead: the attention
-    stays an opaque op, the eviction bookkeeping becomes plain torch ops that torch.compile fuses (the CPU
-    path; the Triton decode kernel already fuses it on GPU)."""
+def _copy(gm: GraphModule) -> tuple[torch.fx.Graph, list[torch.fx.Node]]:
     graph = torch.fx.Graph()
     output = graph.graph_copy(gm.graph, {})
     graph.output(output)
     nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is _INPLACE]
     if not nodes:
-        raise ValueError("decode_step_graph: the graph has no in-place h2o.attention_ node")
+        raise ValueError("the graph has no in-place h2o.attention_ node")
+    return graph, nodes
+
+
+def runtime_recent_graph(gm: GraphModule) -> GraphModule:
+    """A copy of an in-place graph, sharing its weights, whose h2o ops read their recent window from int inputs
+    ``recent{i}`` (one per layer, after the state) instead of graph constants: the window follows from each
+    request's capacity, and as an input it changes neither the graph code nor a compiled step.
+
+    Before: ``forward(input_ids, position_ids, valid, *state)``; after: ``forward(..., *state, *recent)``."""
+    graph, nodes = _copy(gm)
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for i, node in enumerate(nodes):
         with graph.inserting_after(last):
             last = graph.placeholder(f"recent{i}")
         node.args = node.args[:_PARAMS_AT] + (last,) + node.args[_PARAMS_AT + 1:]
-        if fuse_bookkeeping:
-            node.target = ops.decode_fusable_
+    graph.lint()
+    return GraphModule(gm, graph)
+
+
+def fuse_decode_bookkeeping(gm: GraphModule) -> GraphModule:
+    """A copy of an in-place graph, sharing its weights, whose ``h2o.attention_`` nodes call
+    ``ops.decode_fusable_`` instead: the attention stays an opaque op, the eviction bookkeeping becomes plain
+    torch ops that torch.compile fuses. Only for the one-token decode step compiled on CPU (see H2OModel; the
+    Triton decode kernel already fuses it on GPU)."""
+    graph, nodes = _copy(gm)
+    for node in nodes:
+        node.target = ops.decode_fusable_
     graph.lint()
     return GraphModule(gm, graph)
 

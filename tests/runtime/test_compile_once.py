@@ -11,7 +11,6 @@ import transformers
 from torch._dynamo.utils import counters
 
 import h2o_compile
-from h2o_compile.passes import decode_step_graph
 from h2o_compile.runtime import compile_step
 
 from .compile_checks import assert_ran_compiled, strict_compile
@@ -105,11 +104,10 @@ def test_warmup_is_a_no_op_without_compilation_and_checks_its_sizes(long_llama):
 
 
 def test_unfused_step_takes_its_recent_window_at_run_time(long_llama):
-    """The GPU decode graph keeps the opaque h2o op and passes it the recent window as an int input; compiled
-    with the runtime's dynamic sources, two capacities share one graph and match the eager graph."""
+    """The GPU decode step compiles the runtime graph itself (the opaque h2o op, which gets the recent window as
+    an int input); compiled with the runtime's dynamic sources, two capacities share one graph and match eager."""
     eager = h2o_compile.optimize(long_llama, budget=0.25, compile=False)
-    step = compile_step(decode_step_graph(eager.graph, fuse_bookkeeping=False), "default", torch.device("cpu"),
-                        dynamic=True)
+    step = compile_step(eager.graph, "default", torch.device("cpu"), dynamic=True)
     gen = torch.Generator().manual_seed(3)
     with strict_compile(), torch.no_grad():
         for batch, total in ((2, 40), (3, 96)):
@@ -118,7 +116,7 @@ def test_unfused_step_takes_its_recent_window_at_run_time(long_llama):
             for opt in (eager, reference):
                 opt.reset(batch, total)
                 opt.step(ids[:, :total - 6])
-            recent = eager._params["recent"]
+            recent = eager._recent
             assert len(set(recent)) == 1 and recent[0] == round(0.25 * total / 2)
             for i in range(total - 6, total):
                 token = ids[:, i:i + 1]

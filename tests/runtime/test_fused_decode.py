@@ -9,7 +9,7 @@ import torch
 import h2o_compile
 from h2o_compile import ops
 from h2o_compile.kernels import reference
-from h2o_compile.passes import count_h2o_ops, decode_step_graph, state_names
+from h2o_compile.passes import count_h2o_ops, fuse_decode_bookkeeping, state_names
 
 from .arch_configs import VOCAB, build
 from .compile_checks import assert_ran_compiled, strict_compile
@@ -21,20 +21,24 @@ def llama():
     return build("llama", seed=11)
 
 
-def test_decode_step_graph_retargets_every_layer_and_shares_the_weights(llama):
+def test_fused_graph_retargets_every_layer_and_shares_the_weights(llama):
     opt = h2o_compile.optimize(llama, budget=5, compile=False)
-    fused = decode_step_graph(opt.graph, fuse_bookkeeping=True)
+    fused = fuse_decode_bookkeeping(opt.graph)
     targets = [n.target for n in fused.graph.nodes if n.op == "call_function"]
     assert targets.count(ops.decode_fusable_) == len(opt.layers) == 2
     assert count_h2o_ops(fused) == 0 and count_h2o_ops(opt.graph) == 2  # the original graph is untouched
     assert {id(p) for p in fused.parameters()} == {id(p) for p in opt.graph.parameters()}
-    inputs = [n.name for n in fused.graph.nodes if n.op == "placeholder"]
-    assert inputs[-2:] == ["recent0", "recent1"] and inputs[:-2] == [n.name for n in opt.graph.graph.nodes
-                                                                      if n.op == "placeholder"]
     with pytest.raises(ValueError, match="no in-place"):
-        decode_step_graph(fused, fuse_bookkeeping=True)
-    kept = decode_step_graph(opt.graph, fuse_bookkeeping=False)  # the GPU step: the op itself, recent as input
-    assert count_h2o_ops(kept) == 2
+        fuse_decode_bookkeeping(fused)
+
+
+def test_the_runtime_graph_takes_the_recent_windows_as_inputs(llama):
+    opt = h2o_compile.optimize(llama, budget=5, compile=False)
+    inputs = [n.name for n in opt.graph.graph.nodes if n.op == "placeholder"]
+    assert inputs == ["input_ids", "position_ids", "valid", *state_names(0), *state_names(1), "recent0", "recent1"]
+    ops_recent = [n.args[10].name for n in opt.graph.graph.nodes
+                  if n.op == "call_function" and n.target is torch.ops.h2o.attention_.default]
+    assert ops_recent == ["recent0", "recent1"]
 
 
 @pytest.mark.parametrize("batch,policy,sinks",

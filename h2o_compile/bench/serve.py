@@ -1,0 +1,290 @@
+"""The serving benchmark: a stream of requests of new prompt lengths and batch sizes, every compile counted.
+
+Each contender serves the same seeded stream (prompt lengths drawn from [prompt_min, prompt_max], groups of
+1..max_batch requests in arrival order, each group one left-padded batch, ``new_tokens`` greedy tokens per
+request, EOS ignored so every contender does the same work) in a fresh process with an empty Inductor cache:
+its wall time includes every compile, warm-up and CUDA-graph capture it needs. All requests arrive at t = 0,
+so a request's latency is the time until its batch is done.
+
+Contenders: ``h2o-compiled`` / ``h2o-eager`` (H2OModel at the budget), ``hf-dynamic`` (transformers' generate,
+eager, DynamicCache) and ``hf-static-compile`` (transformers' generate with a StaticCache of one max_cache_len
+for the whole stream and its own torch.compile of the decode step, as its docs recommend for varying inputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+CONTENDERS = ("h2o-compiled", "h2o-eager", "hf-dynamic", "hf-static-compile")
+MODELS = ("kvbound", "gemma3-270m", "smoke")
+
+
+@dataclass
+class ServeSettings:
+    model: str = "kvbound"
+    requests: int = 64
+    prompt_min: int = 64
+    prompt_max: int = 3000
+    new_tokens: int = 128
+    max_batch: int = 8
+    budget: float = 0.2
+    seed: int = 0
+    device: str = "cpu"
+    contenders: list = field(default_factory=lambda: list(CONTENDERS))
+    # after the stream: requests of prompt lengths the stream never had, each timed twice (new, then repeated)
+    probe_lengths: list = field(default_factory=lambda: [333, 1234, 2345])
+    probe_batch: int = 4
+
+    def __post_init__(self):
+        if self.model not in MODELS:
+            raise ValueError(f"model={self.model!r}; choose from {', '.join(MODELS)}")
+        bad = [c for c in self.contenders if c not in CONTENDERS]
+        if bad or not self.contenders:
+            raise ValueError(f"contenders={self.contenders}; choose from {', '.join(CONTENDERS)}")
+        if not 1 <= self.prompt_min <= self.prompt_max:
+            raise ValueError(f"need 1 <= prompt_min ({self.prompt_min}) <= prompt_max ({self.prompt_max})")
+        for name in ("requests", "new_tokens", "max_batch", "probe_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0 < self.budget <= 1:
+            raise ValueError(f"budget={self.budget} must be in (0, 1]")
+
+    @property
+    def max_seq_len(self) -> int:
+        return max([self.prompt_max, *self.probe_lengths]) + self.new_tokens
+
+
+def request_batches(settings: ServeSettings, vocab: int) -> list[list[torch.Tensor]]:
+    """The stream: groups (1..max_batch, in arrival order) of prompts [P] of seeded lengths and token ids."""
+    rng = random.Random(settings.seed)
+    gen = torch.Generator().manual_seed(settings.seed)
+    high = min(vocab, 32000)  # ordinary tokens of any vocabulary, away from the special ids at its end
+    prompts = [torch.randint(8, high, (rng.randint(settings.prompt_min, settings.prompt_max),), generator=gen)
+               for _ in range(settings.requests)]
+    batches = []
+    while prompts:
+        size = rng.randint(1, settings.max_batch)
+        batches.append(prompts[:size])
+        prompts = prompts[size:]
+    return batches
+
+
+def left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, P] ids and attention mask, left-padded to the longest prompt."""
+    longest = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, longest - p.numel():] = p
+        mask[row, longest - p.numel():] = 1
+    return ids, mask
+
+
+def load_model(name: str, device: str):
+    if name == "gemma3-270m":
+        from ..zoo import load_gemma3_270m
+
+        model = load_gemma3_270m()[0]
+    else:
+        from .decode import build_model
+
+        model = build_model(name)
+    model.generation_config.eos_token_id = None  # a fixed amount of work per request: no early stop
+    return model.to(device).eval()
+
+
+class Server:
+    """One contender: ``generate(ids, mask) -> tokens [B, P + n]`` and the KV bytes its cache holds."""
+
+    def __init__(self, name: str, model, settings: ServeSettings):
+        self.name, self.model, self.settings = name, model, settings
+        self.kv_ratios = []
+        if name.startswith("h2o"):
+            import h2o_compile
+
+            self.h2o = h2o_compile.optimize(model, budget=settings.budget, compile=name == "h2o-compiled")
+
+    @torch.no_grad()
+    def generate(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        n, device = self.settings.new_tokens, self.model.device
+        ids, mask = ids.to(device), mask.to(device)
+        if self.name.startswith("h2o"):
+            out = self.h2o.generate(ids, mask, max_new_tokens=n)
+            full = self.h2o.full_cache_bytes(ids.shape[0], ids.shape[1] + n)
+            self.kv_ratios.append(self.h2o.kv_cache_bytes() / full)
+            return out
+        kwargs = dict(attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        if self.name == "hf-static-compile":
+            from transformers import CompileConfig
+
+            compile_config = CompileConfig(fullgraph=True, mode="default")
+            compile_config._compile_all_devices = True  # transformers' switch to auto-compile off GPU
+            kwargs.update(cache_implementation="static", max_cache_len=self.settings.max_seq_len,
+                          compile_config=compile_config)
+            if device.type == "cuda":
+                compile_config.mode = "reduce-overhead"
+        return self.model.generate(ids, **kwargs)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_contender(name: str, settings: ServeSettings, progress: bool = True) -> dict:
+    """Serve the whole stream with one contender (call in a fresh process); returns its measurements."""
+    from tqdm.auto import tqdm
+
+    from .machine import peak_rss_kib
+
+    torch.manual_seed(settings.seed)
+    model = load_model(settings.model, settings.device)
+    vocab = int(getattr(model.config, "vocab_size", None) or model.get_output_embeddings().out_features)
+    batches = request_batches(settings, vocab)
+    rss_loaded = peak_rss_kib()
+    server = Server(name, model, settings)
+    latencies, batch_rows = [], []
+    start = time.perf_counter()
+    for prompts in tqdm(batches, desc=name, unit="batch", disable=not progress):
+        ids, mask = left_pad(prompts)
+        t0 = time.perf_counter()
+        out = server.generate(ids, mask)
+        _sync(model.device)
+        done = time.perf_counter()
+        if out.shape[1] != ids.shape[1] + settings.new_tokens:
+            raise RuntimeError(f"{name} generated {out.shape[1] - ids.shape[1]} tokens, not {settings.new_tokens}")
+        latencies += [done - start] * len(prompts)
+        batch_rows.append({"batch": len(prompts), "padded_prompt": ids.shape[1], "seconds": done - t0})
+    wall = time.perf_counter() - start
+    probes = []
+    for length in settings.probe_lengths:  # after the stream (warm): a new prompt length, then the same again
+        ids, mask = left_pad([torch.randint(8, min(vocab, 32000), (length,)) for _ in range(settings.probe_batch)])
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            server.generate(ids, mask)
+            _sync(model.device)
+            times.append(time.perf_counter() - t0)
+        probes.append({"prompt": length, "new_s": times[0], "repeat_s": times[1], "ratio": times[0] / times[1]})
+    tokens = settings.requests * settings.new_tokens
+    ordered = sorted(latencies)
+    return {
+        "contender": name, "wall_s": wall, "tokens_per_s": tokens / wall,
+        "p50_latency_s": ordered[len(ordered) // 2], "p95_latency_s": ordered[min(len(ordered) - 1,
+                                                                                   int(0.95 * len(ordered)))],
+        "peak_rss_mib": (peak_rss_kib() or 0) / 1024, "rss_after_load_mib": (rss_loaded or 0) / 1024,
+        "kv_ratio_max": max(server.kv_ratios) if server.kv_ratios else 1.0,
+        "compiled_graphs": _unique_graphs(), "batches": batch_rows, "probes": probes,
+    }
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def run_serve(settings: ServeSettings, log=print) -> dict:
+    """Every contender in its own process, with its own empty Inductor cache; returns the combined result."""
+    results = []
+    for name in settings.contenders:
+        with tempfile.TemporaryDirectory(prefix="h2o-serve-") as tmp:
+            out = Path(tmp) / "result.json"
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(Path(tmp) / "inductor"))
+            cmd = [sys.executable, "-m", "h2o_compile.bench.serve", "--worker", name, "--out", str(out),
+                   "--settings", json.dumps(dataclasses.asdict(settings))]
+            log(f"serving the stream with {name} ...")
+            subprocess.run(cmd, env=env, check=True)
+            results.append(json.loads(out.read_text()))
+            log(f"  {name}: {results[-1]['wall_s']:.1f} s, {results[-1]['tokens_per_s']:.1f} tokens/s")
+    return {"settings": dataclasses.asdict(settings), "results": results}
+
+
+TARGETS = (("h2o-compiled", "hf-dynamic", 3.0), ("h2o-compiled", "hf-static-compile", 1.5))
+
+
+def serve_report(result: dict, command: str, machine: str) -> str:
+    """The markdown page of a run of :func:`run_serve`."""
+    from ..reporting import markdown_table
+
+    s, rows = result["settings"], {r["contender"]: r for r in result["results"]}
+    lines = [f"# Serving a request stream on {s['device'].upper()}: {s['model']}", "",
+             f"Command: `{command}`  ", f"Machine: {machine}", "",
+             f"{s['requests']} requests, prompt lengths drawn from {s['prompt_min']}-{s['prompt_max']} (seed "
+             f"{s['seed']}), {s['new_tokens']} new tokens each (EOS ignored), batched in arrival order in groups "
+             f"of 1-{s['max_batch']} (left-padded); all arrive at t = 0, so latency = time until the request's "
+             f"batch is done. Each contender runs in a fresh process with an empty Inductor cache: wall time "
+             f"includes every compile. H2O budget {s['budget']}.", ""]
+    base = {k: rows[k]["wall_s"] for k in ("hf-dynamic", "hf-static-compile") if k in rows}
+    table = []
+    for name, r in rows.items():
+        worst = max((p["ratio"] for p in r["probes"]), default=float("nan"))
+        table.append([name, r["wall_s"], r["tokens_per_s"], *[base[k] / r["wall_s"] if k in base else "-"
+                                                              for k in ("hf-dynamic", "hf-static-compile")],
+                      r["p50_latency_s"], r["p95_latency_s"], r["peak_rss_mib"], r["kv_ratio_max"],
+                      r["compiled_graphs"], worst])
+    lines += [markdown_table(["contender", "wall s", "tokens/s", "x hf-dynamic", "x hf-static-compile",
+                              "p50 latency s", "p95 latency s", "peak RSS MiB", "KV / full cache",
+                              "graphs compiled", "new / repeated length"], table), ""]
+    lines += ["`new / repeated length`: after the stream, a batch of "
+              f"{s['probe_batch']} prompts of a length the stream never had ({', '.join(map(str, s['probe_lengths']))})"
+              " is served twice; the worst ratio of the first call's time to the second's. `KV / full cache`: the "
+              "largest ratio over the stream's batches of the H2O state bytes to a cache of every token.", "",
+              "## Against the targets", ""]
+    for ours, theirs, target in TARGETS:
+        if ours in rows and theirs in rows:
+            ratio = rows[theirs]["wall_s"] / rows[ours]["wall_s"]
+            verdict = "met" if ratio >= target else "**missed**"
+            lines.append(f"- {ours} total wall time vs {theirs}: **{ratio:.2f}x** faster (target >= {target}x): "
+                         f"{verdict}")
+    if "h2o-compiled" in rows:
+        r = rows["h2o-compiled"]
+        worst = max(p["ratio"] for p in r["probes"])
+        lines.append(f"- h2o-compiled, new prompt length / repeated: **{worst:.2f}x** (target <= 1.3x): "
+                     f"{'met' if worst <= 1.3 else '**missed**'}")
+        lines.append(f"- KV bytes / full cache: **{r['kv_ratio_max']:.3f}x** (target <= 0.25x): "
+                     f"{'met' if r['kv_ratio_max'] <= 0.25 else '**missed**'}")
+    return "\n".join(lines) + "\n"
+
+
+def plot_serve(result: dict, path: Path) -> None:
+    """Seconds since the stream started after each batch, one line per contender (compiles show as steps)."""
+    from ..reporting import plot_lines
+
+    series = {}
+    for r in result["results"]:
+        elapsed, xs, ys = 0.0, [], []
+        for i, b in enumerate(r["batches"]):
+            elapsed += b["seconds"]
+            xs.append(i + 1)
+            ys.append(elapsed)
+        series[r["contender"]] = (xs, ys)
+    plot_lines(path, series, xlabel="batches served", ylabel="seconds since the stream started",
+               title=f"Serving {result['settings']['requests']} requests: {result['settings']['model']}")
+
+
+def _worker_main(argv: list[str]) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", required=True, choices=CONTENDERS)
+    parser.add_argument("--settings", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    settings = ServeSettings(**json.loads(args.settings))
+    Path(args.out).write_text(json.dumps(run_contender(args.worker, settings)))
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])
