@@ -1,0 +1,56 @@
+"""The serving benchmark's stream, padding and one contender run end to end on the smoke model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2o_compile.bench.serve import ServeSettings, left_pad, request_batches, run_contender, serve_report
+
+
+def test_the_stream_is_seeded_and_covers_every_request_once():
+    settings = ServeSettings(requests=30, prompt_min=10, prompt_max=50, max_batch=5)
+    batches = request_batches(settings, vocab=100)
+    again = request_batches(settings, vocab=100)
+    assert [len(b) for b in batches] == [len(b) for b in again]
+    assert all(torch.equal(x, y) for b, c in zip(batches, again) for x, y in zip(b, c))
+    assert sum(len(b) for b in batches) == 30
+    assert all(1 <= len(b) <= 5 for b in batches) and len({len(b) for b in batches}) > 1
+    lengths = [p.numel() for b in batches for p in b]
+    assert min(lengths) >= 10 and max(lengths) <= 50 and len(set(lengths)) > 10
+    assert all(int(p.min()) >= 8 and int(p.max()) < 100 for b in batches for p in b)
+    other = request_batches(ServeSettings(requests=30, prompt_min=10, prompt_max=50, max_batch=5, seed=1), 100)
+    assert [p.numel() for b in other for p in b] != lengths
+
+
+def test_left_pad_puts_every_prompt_at_the_right_edge():
+    ids, mask = left_pad([torch.tensor([5, 6, 7]), torch.tensor([9])], pad=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 9]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+@pytest.mark.parametrize("bad,match", [(dict(model="gpt5"), "model='gpt5'"),
+                                       (dict(contenders=["vllm"]), "contenders=\\['vllm'\\]"),
+                                       (dict(prompt_min=100, prompt_max=50), "prompt_min"),
+                                       (dict(budget=1.5), "budget=1.5")])
+def test_bad_settings_name_the_value(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ServeSettings(**bad)
+
+
+@pytest.mark.parametrize("contender", ["h2o-eager", "hf-dynamic"])
+def test_a_contender_serves_the_whole_stream(contender):
+    settings = ServeSettings(model="smoke", requests=5, prompt_min=12, prompt_max=60, new_tokens=4, max_batch=3,
+                             probe_lengths=[33], probe_batch=2, contenders=[contender])
+    result = run_contender(contender, settings, progress=False)
+    batches = request_batches(settings, vocab=256)
+    assert [b["batch"] for b in result["batches"]] == [len(b) for b in batches]
+    assert [b["padded_prompt"] for b in result["batches"]] == [max(p.numel() for p in b) for b in batches]
+    assert all(0 < b["prefill_s"] < b["seconds"] for b in result["batches"])
+    assert result["wall_s"] >= sum(b["seconds"] for b in result["batches"]) * 0.99
+    assert result["p50_latency_s"] <= result["p95_latency_s"] <= result["wall_s"] * 1.01
+    assert result["tokens_per_s"] == pytest.approx(5 * 4 / result["wall_s"])
+    expected_kv = 1.0 if contender == "hf-dynamic" else 0.2
+    assert result["kv_ratio_max"] == pytest.approx(expected_kv, abs=0.08)
+    text = serve_report({"settings": vars(settings), "results": [result]}, "cmd", "machine")
+    assert f"| {contender} |" in text
