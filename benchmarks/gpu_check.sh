@@ -2,13 +2,16 @@
 # The GPU checks of the Triton kernels, as one run on a machine with a CUDA GPU:
 #   1. tests/kernels on CUDA (compiled kernels, larger shapes, bf16, CUDA-graph replay, torch.compile);
 #   2. benchmarks/decode_kernel_micro.py (fused decode vs reference vs SDPA over C slots / the full cache);
-#   3. benchmarks/decode_cuda.py (whole model: CUDA graphs on/off, largest batch under a memory cap).
+#   3. benchmarks/decode_cuda.py (whole model: CUDA graphs on/off, largest batch under a memory cap);
+#   4. benchmarks/serve.py on CUDA (the CPU serving stream: H2O's compiled step with CUDA graphs, one graph for
+#      every request; transformers' generate with DynamicCache and StaticCache + compile).
 # It installs nothing from the network: it uses the machine's python (with torch + triton) and imports
 # h2o_compile from this checkout through PYTHONPATH. Everything lands under $OUT (default ./out):
-# env.txt, pytest.log, pytest.xml, bench.log, decode_kernel_micro.json, decode_cuda.{json,md,png}, decode_cuda.log.
+# env.txt, pytest.log, pytest.xml, bench.log, decode_kernel_micro.json, decode_cuda.{json,md,png}, decode_cuda.log,
+# serve_cuda.{json,md,png}, serve.log.
 #
 #   bash benchmarks/gpu_check.sh               # PYTHON=... to pick the interpreter, TEST_TIMEOUT=... seconds
-#   STAGES="decode" bash benchmarks/gpu_check.sh   # a subset of: tests micro decode (default all three)
+#   STAGES="decode" bash benchmarks/gpu_check.sh   # a subset of: tests micro decode serve (default all four)
 #
 # On a lent machine with a 10-minute command limit and ~15 minutes of device time, run two commands:
 #   STAGES="decode" (the whole-model benchmark, DECODE_TIMEOUT=420 s, mostly compiling) and then
@@ -32,8 +35,8 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 2
 fi
 
-STAGES="${STAGES:-tests micro decode}"
-tests=0 bench=0 decode=0
+STAGES="${STAGES:-tests micro decode serve}"
+tests=0 bench=0 decode=0 serve=0
 if [[ " $STAGES " == *" tests "* ]]; then
   # Kernel compilation dominates the test time: spread it over processes when pytest-xdist is there.
   XDIST=()
@@ -52,5 +55,12 @@ if [[ " $STAGES " == *" decode "* ]]; then
   decode=${PIPESTATUS[0]}
 fi
 
-echo "gpu_check: pytest exit $tests, kernel benchmark exit $bench, decode benchmark exit $decode (results in $OUT)"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$decode" -eq 0 ]
+if [[ " $STAGES " == *" serve "* ]]; then
+  timeout "${SERVE_TIMEOUT:-300}" "$PY" benchmarks/serve.py --device cuda --out "$OUT/serve_cuda" 2>&1 \
+    | tee "$OUT/serve.log"
+  serve=${PIPESTATUS[0]}
+fi
+
+echo "gpu_check: pytest exit $tests, kernel benchmark exit $bench, decode benchmark exit $decode," \
+  "serve benchmark exit $serve (results in $OUT)"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$decode" -eq 0 ] && [ "$serve" -eq 0 ]

@@ -10,6 +10,7 @@ counted. What is measured: h2o_compile/bench/serve.py.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -32,6 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--smoke", action="store_true", help="smoke model, 6 short requests, output under /tmp")
     p.add_argument("--out", help="output prefix (default docs/results/serve_<device>[_gemma3])")
+    p.add_argument("--from-json", help="only rewrite the markdown and plot of an earlier run's JSON")
     args = p.parse_args(argv)
     settings = dict(model=args.model, requests=args.requests, prompt_min=args.prompt_min,
                     prompt_max=args.prompt_max, new_tokens=args.new_tokens, budget=args.budget,
@@ -46,9 +48,13 @@ def main(argv=None) -> int:
     default = "/tmp/serve_smoke" if args.smoke else (
         f"docs/results/serve_{args.device}" + ("_gemma3" if args.model == "gemma3-270m" else ""))
     prefix = Path(args.out or ROOT / default)
-    result = run_serve(settings)
-    result["command"], result["machine"] = command_line(), machine_description()
-    write_json(prefix.with_suffix(".json"), result)
+    if args.from_json:
+        prefix = Path(args.from_json).with_suffix("")
+        result = json.loads(Path(args.from_json).read_text())
+    else:
+        result = run_serve(settings)
+        result["command"], result["machine"] = command_line(), machine_description()
+        write_json(prefix.with_suffix(".json"), result)
     prefix.with_suffix(".md").write_text(serve_report(result, result["command"], result["machine"]).replace(
         "serve_cpu.png", prefix.name + ".png") + f"\n![cumulative wall time]({prefix.name}.png)\n")
     plot_serve(result, prefix.with_suffix(".png"))

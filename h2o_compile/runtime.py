@@ -370,8 +370,12 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
     Args:
         budget: float in (0, 1] (fraction of prompt + new tokens) or int (cache slots).
         recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding: see :class:`H2OConfig`.
-        compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU),
-            ``"auto"`` does so on CUDA only (on CPU the compile time rarely pays for short runs); a
+        compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU) once
+            for every batch size and capacity (dynamic shapes; :meth:`H2OModel.warmup` compiles it ahead).
+            ``"auto"`` does so on CUDA only: on CPU the one cold compile (~23 s for the benchmarks' KV-bound
+            model) saves 2.5-4 ms per decode step, so it pays back only after some 9,000-58,000 generated
+            tokens (docs/results/compile_shapes.md); eager is the better default for a script that calls
+            generate a few times, ``compile=True`` for a long-running server. A
             torch.compile mode (``"default"``, ``"reduce-overhead"``, ...) compiles with that mode. On CPU
             ``"max-autotune"`` also freezes the weights (see :func:`compile_step`): the fastest CPU decode,
             after a longer first compile.
