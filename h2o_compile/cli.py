@@ -151,7 +151,12 @@ def cmd_eval(args) -> int:
         texts = [read_tail(path, args.tail) for path in args.text]
         names = [f"{Path(p).name} (last {args.tail:.0%})" for p in args.text]
     start = time.perf_counter()
-    result = evaluate(model, tokenizer, texts, settings)
+
+    def write_partial(partial):  # an interrupted sweep keeps the configurations it finished
+        write_eval_report(partial, args.out, model_name=_model_name(args.model), text_names=names,
+                          elapsed_s=time.perf_counter() - start)
+
+    result = evaluate(model, tokenizer, texts, settings, on_config=write_partial)
     elapsed = time.perf_counter() - start
     paths = write_eval_report(result, args.out, model_name=_model_name(args.model),
                               text_names=names,

@@ -126,8 +126,12 @@ def _configs(settings: EvalSettings):
 
 
 def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSettings] = None,
-             progress: bool = True) -> EvalResult:
-    """Perplexity and generation agreement for every (policy, budget) in ``settings``."""
+             progress: bool = True, on_config=None) -> EvalResult:
+    """Perplexity and generation agreement for every (policy, budget) in ``settings``.
+
+    ``on_config(result)`` is called after each configuration with the results so far (a long sweep writes
+    them as it goes). Without ``full`` among the policies, the full-cache generations that agreement is
+    measured against are made first (no full-cache perplexity then)."""
     settings = settings or EvalSettings()
     seqs = token_windows(tokenizer, texts, settings.seq_len, settings.num_seqs)
     gen_len = settings.gen_prompt_len + settings.gen_new_tokens
@@ -136,6 +140,9 @@ def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSett
     result = EvalResult(settings=asdict(settings))
     configs = list(_configs(settings))
     reference_tokens = None
+    if configs and configs[0][1] != "full":
+        reference_tokens = _generations(optimize(model, budget=1.0, policy="full", compile=settings.compile),
+                                        prompts, settings)
     bar = tqdm(configs, desc="eval", disable=not progress)
     for label, policy, sink, budget in bar:
         bar.set_postfix_str(f"{label} @ {budget}")
@@ -151,14 +158,19 @@ def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSett
         result.reference_bytes = {"full": h2o.full_cache_bytes(1, settings.seq_len),
                                   "transformers": h2o.hf_cache_bytes(1, settings.seq_len),
                                   "sliding_layers": sum(spec.window > 0 for spec in h2o.layers)}
-        tokens = h2o.generate(prompts, max_new_tokens=settings.gen_new_tokens, eos_token_id=[],
-                              pad_token_id=0)[:, settings.gen_prompt_len:].tolist()
-        if reference_tokens is None:
-            if policy != "full":
-                raise ValueError("policies must start with 'full': it is the reference for generation agreement")
+        tokens = _generations(h2o, prompts, settings)
+        if reference_tokens is None:  # the first configuration is the full cache
             reference_tokens = tokens
         scores = [rouge_l(c, r) for c, r in zip(tokens, reference_tokens)]
         prefixes = [common_prefix(c, r) for c, r in zip(tokens, reference_tokens)]
         result.agreement.setdefault(label, {})[budget] = {"rouge_l": sum(scores) / len(scores),
                                                             "prefix": sum(prefixes) / len(prefixes)}
+        if on_config is not None:
+            on_config(result)
     return result
+
+
+def _generations(h2o, prompts, settings: EvalSettings) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` [N, P] (EOS ignored), as token lists."""
+    return h2o.generate(prompts, max_new_tokens=settings.gen_new_tokens, eos_token_id=[],
+                        pad_token_id=0)[:, settings.gen_prompt_len:].tolist()

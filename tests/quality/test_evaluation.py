@@ -64,6 +64,22 @@ def test_evaluate_tiny_slice(tmp_path):
     assert result.perplexity["local"][0.25] != pytest.approx(full, rel=1e-3)
 
 
+def test_a_sweep_without_full_still_measures_agreement_and_reports_as_it_goes():
+    """Policies without ``full``: the full-cache generations are made first, so h2o at budget 1.0 agrees
+    exactly with them and a small budget does not; ``on_config`` sees every configuration as it finishes."""
+    from tests.conftest import word_tokenizer
+
+    settings = EvalSettings(budgets=(0.25, 1.0), policies=("h2o",), seq_len=24, num_seqs=2, batch_size=2,
+                            prompt_len=4, gen_prompt_len=12, gen_new_tokens=6, gen_prompts=2, compile=False)
+    seen = []
+    result = evaluate(build("llama", seed=4), word_tokenizer(), [TEXT], settings, progress=False,
+                      on_config=lambda partial: seen.append(sorted(partial.perplexity["h2o"])))
+    assert seen == [[0.25], [0.25, 1.0]]
+    assert "full" not in result.perplexity
+    assert result.agreement["h2o"][1.0] == {"rouge_l": 1.0, "prefix": 6.0}
+    assert result.agreement["h2o"][0.25]["prefix"] < 6.0
+
+
 def test_eval_cli_writes_json_table_and_plot(model_dir, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("head " * 50 + TEXT)
