@@ -22,9 +22,9 @@ _COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
 
 
 # The decode step's sizes that change between requests, as dynamo names the inputs of H2OModel's graph: the
-# recent windows (ints) and the cache slots (dim 2 of every state tensor) are dynamic; the batch (dim 0 of
-# every input) is unbacked, so that a batch of one does not get a graph of its own. Everything else (head
-# counts, head dims, the one-token block) stays static, as do the weights.
+# recent windows (ints), the cache slots (dim 2 of every state tensor) and the batch (dim 0 of every input) are
+# dynamic; compile_step makes the batch size-oblivious, so that a batch of one does not get a graph of its own.
+# Everything else (head counts, head dims, the one-token block) stays static, as do the weights.
 DYNAMIC_SOURCES = r"L\['recent\d+'\],L\['layer\d+_.*'\]:2,L\['(input_ids|position_ids|valid|layer\d+_.*)'\]:0"
 
 

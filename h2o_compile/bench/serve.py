@@ -69,8 +69,7 @@ def request_batches(settings: ServeSettings, vocab: int) -> list[list[torch.Tens
     """The stream: groups (1..max_batch, in arrival order) of prompts [P] of seeded lengths and token ids."""
     rng = random.Random(settings.seed)
     gen = torch.Generator().manual_seed(settings.seed)
-    high = min(vocab, 32000)  # ordinary tokens of any vocabulary, away from the special ids at its end
-    prompts = [torch.randint(8, high, (rng.randint(settings.prompt_min, settings.prompt_max),), generator=gen)
+    prompts = [random_prompt(rng.randint(settings.prompt_min, settings.prompt_max), vocab, gen)
                for _ in range(settings.requests)]
     batches = []
     while prompts:
@@ -78,6 +77,11 @@ def request_batches(settings: ServeSettings, vocab: int) -> list[list[torch.Tens
         batches.append(prompts[:size])
         prompts = prompts[size:]
     return batches
+
+
+def random_prompt(length: int, vocab: int, generator=None) -> torch.Tensor:
+    """[length] ordinary token ids of any vocabulary, away from the special ids at its two ends."""
+    return torch.randint(8, min(vocab, 32000), (length,), generator=generator)
 
 
 def left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +121,7 @@ class Server:
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Generate for one batch; ``self.first_token_at`` is when its first new token came (the prefill)."""
+        """Generate for one batch; ``self.first_token.at`` is when its first new token came (the prefill)."""
         n, device = self.settings.new_tokens, self.model.device
         ids, mask = ids.to(device), mask.to(device)
         streamer = _FirstToken()
@@ -189,7 +193,7 @@ def run_contender(name: str, settings: ServeSettings, progress: bool = True) -> 
     wall = time.perf_counter() - start
     probes = []
     for length in settings.probe_lengths:  # after the stream (warm): a new prompt length, then the same again
-        ids, mask = left_pad([torch.randint(8, min(vocab, 32000), (length,)) for _ in range(settings.probe_batch)])
+        ids, mask = left_pad([random_prompt(length, vocab) for _ in range(settings.probe_batch)])
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
