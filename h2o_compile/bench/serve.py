@@ -286,7 +286,8 @@ def serve_report(result: dict, command: str, machine: str) -> str:
               "batch where the ratio is largest and over the whole stream (bytes summed over batches). "
               "`new / repeated length`: after the stream, a batch of "
               f"{s['probe_batch']} prompts of a length the stream never had ({', '.join(map(str, s['probe_lengths']))})"
-              " is served twice; the worst ratio of the first call's time to the second's.", "",
+              " is served twice; the worst ratio of the first call's time to the second's."
+              + (f" Note: {result['kv_bytes_note']}." if result.get("kv_bytes_note") else ""), "",
               "## Against the targets", ""]
     for ours, theirs, target in TARGETS:
         if ours in rows and theirs in rows:
