@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+POSITIONS = ("true", "rolling")
 POLICIES = ("h2o", "local", "sink", "random", "full")
 
 # StreamingLLM keeps four "attention sink" tokens; the `sink` policy uses that unless told otherwise.
@@ -33,6 +34,10 @@ class H2OConfig:
             min(W, sequence) slots by default (exactly the keys the model can still see, as transformers'
             own cache does), and the budget applies to full-attention layers. True compresses them too:
             min(C, W) slots, keys that left the window evicted first, then the policy.
+        positions: ``"true"`` rotates keys at their text positions (the model's own behaviour);
+            ``"rolling"`` caches keys before RoPE and rotates them by their rank in the cache at attention
+            time (StreamingLLM), so a stream can run past the model's max_position_embeddings with every
+            relative distance below C + block (rotary models only).
     """
 
     budget: Union[float, int] = 0.2
@@ -42,6 +47,7 @@ class H2OConfig:
     prefill: Union[str, int] = "full"
     seed: int = 0
     compress_sliding: bool = False
+    positions: str = "true"
 
     def __post_init__(self) -> None:
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
@@ -74,6 +80,8 @@ class H2OConfig:
             raise ValueError(f"seed={self.seed!r} must be an int >= 0")
         if not isinstance(self.compress_sliding, bool):
             raise ValueError(f"compress_sliding={self.compress_sliding!r} must be True or False")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions={self.positions!r}; allowed: {', '.join(map(repr, POSITIONS))}")
         if isinstance(self.budget, int):
             self._check_split(self.budget)
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .kernels import reference
+from .kernels.rolling import as_tables
 
 _BACKEND_ENV = "H2O_COMPILE_BACKEND"
 _BACKENDS = ("auto", "reference", "triton")
@@ -93,15 +94,18 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opti
 def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
                scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
-               softcap: float = 0.0, sink_logits: Optional[Tensor] = None) -> Tensor:
+               softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
+               rope_sin: Optional[Tensor] = None) -> Tensor:
     """In-place H2O attention over a block of T new tokens. Returns out [B, Hq, T, Dv].
 
     ``window`` (sliding window, 0 = none), ``softcap`` (0 = none) and ``sink_logits`` ([Hq] or None) are the
-    layer's attention kind (kernels/reference.py)."""
+    layer's attention kind (kernels/reference.py). ``rope_cos``/``rope_sin`` ([B', S, R] rotary tables, or
+    None) switch on rolling positions: q, k and the cache are unrotated and rotated by rank at attention time
+    (kernels/rolling.py)."""
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
                  window, softcap, sink_logits)
     state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
-    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits)
+    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits, rope=as_tables(rope_cos, rope_sin))
     if backend_for(q.device) == "triton":
         from .kernels import triton_ops
 
@@ -113,7 +117,7 @@ def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Option
 
 @attention_.register_fake
 def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
-      policy, seed, window=0, softcap=0.0, sink_logits=None):
+      policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None):
     return q.new_empty(q.shape[:3] + (v.shape[3],))
 
 
@@ -121,21 +125,22 @@ def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache,
 def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
               key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
               scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
-              softcap: float = 0.0, sink_logits: Optional[Tensor] = None
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
+              rope_sin: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Functional H2O attention: returns (out, key_cache, value_cache, score_cache, pos_cache), all new."""
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
                  window, softcap, sink_logits)
     state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
     out, new = reference.h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
                                        sinks=sinks, policy=policy, seed=seed, window=window, softcap=softcap,
-                                       sink_logits=sink_logits)
+                                       sink_logits=sink_logits, rope=as_tables(rope_cos, rope_sin))
     return (out,) + tuple(x.clone() if x is y else x for x, y in zip(new, state))
 
 
 @attention.register_fake
 def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
-      policy, seed, window=0, softcap=0.0, sink_logits=None):
+      policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None,
+      rope_sin=None):
     out = q.new_empty(q.shape[:3] + (v.shape[3],))
     return (out, torch.empty_like(key_cache), torch.empty_like(value_cache), torch.empty_like(score_cache),
             torch.empty_like(pos_cache))
@@ -163,7 +168,8 @@ def _(q, k, v, valid, key_cache, value_cache, pos_cache, scale, new_pos, window=
 def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                     key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
                     scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
-                    softcap: float = 0.0, sink_logits: Optional[Tensor] = None) -> Tensor:
+                    softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
+                    rope_sin: Optional[Tensor] = None) -> Tensor:
     """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: the opaque attention op, then
     reference.evict_and_write_ as plain torch ops that torch.compile fuses into the step's generated code
     (on CPU one loop nest per layer instead of ~25 small eager kernels). Same signature and result as the op;
@@ -173,9 +179,11 @@ def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: O
     if q.shape[2] != 1:
         raise ValueError(f"decode_fusable_ takes one token per row (T = 1); got T = {q.shape[2]}")
     valid, new_pos, newest = reference._block_inputs(k, positions, valid)
-    out, mass_cache, mass_new = torch.ops.h2o.attend_decode(q, k, v, valid, key_cache, value_cache, pos_cache,
-                                                            scale, new_pos, window, softcap, sink_logits)
     state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
+    # Rolling positions: the rotation (a gather and a few elementwise ops) is plain torch ops too.
+    q_seen, k_seen, seen = reference.rolled_inputs(q, k, valid, state, as_tables(rope_cos, rope_sin))
+    out, mass_cache, mass_new = torch.ops.h2o.attend_decode(q_seen, k_seen, v, valid, seen.key_cache, value_cache,
+                                                            pos_cache, scale, new_pos, window, softcap, sink_logits)
     reference.evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent,
                                sinks=sinks, policy=policy, seed=seed, window=window)
     return out

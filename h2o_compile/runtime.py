@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import warnings
 from typing import Optional, Union
 
 import torch
@@ -13,8 +15,8 @@ from .capture import capture
 from .config import H2OConfig
 from .kernels.reference import empty_state
 from .ops import backend_for
-from .passes import (LayerSpec, find_attention_sites, fuse_decode_bookkeeping, last_position_logits,
-                     rewrite_attention, runtime_recent_graph, set_h2o_params, state_names)
+from .passes import (LayerSpec, find_attention_sites, find_rotary, fuse_decode_bookkeeping, last_position_logits,
+                     move_rotary_into_ops, rewrite_attention, runtime_recent_graph, set_h2o_params, state_names)
 from .support import ModelLimits, UnsupportedModelError, check_sequence_fits, check_supported, text_config
 
 _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -98,6 +100,7 @@ class H2OModel(nn.Module):
         self.layer_capacities: list[int] = []         # slots per layer (sliding-window layers may differ)
         self.max_seq_len: Optional[int] = None
         self._fed = 0
+        self._warned_positions = False
         self._fixed = None   # sinks per layer, policy, seed: constants of the graph
         self._recent = []    # the recent window per layer, an input of every call
         self._compiled = {}
@@ -138,7 +141,8 @@ class H2OModel(nn.Module):
         else:
             if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
                 raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 1")
-            check_sequence_fits(self.limits, max_seq_len)
+            if cfg.positions == "true":  # rolling positions stay below C + block whatever the length
+                check_sequence_fits(self.limits, max_seq_len)
             cap = cfg.capacity(max_seq_len)
             plan = [cfg.layer_params(max_seq_len, spec.window) for spec in self.layers]  # (slots, recent, sinks)
         fixed = dict(sinks=[p[2] for p in plan], policy=cfg.policy, seed=cfg.seed)
@@ -272,16 +276,11 @@ class H2OModel(nn.Module):
         if logits_to_keep not in (0, 1) or isinstance(logits_to_keep, bool):
             raise ValueError(f"logits_to_keep={logits_to_keep!r}; allowed: 0 (every position) or 1 (the last)")
         state = self.state()
-        limit = self.max_seq_len
-        if limit is None:  # a stream: bounded by the positions the model knows
-            limit = torch.iinfo(torch.int64).max
-            known = self.limits.max_positions
-            if known is not None and isinstance(input_ids, Tensor) and self._fed + input_ids.shape[-1] > known:
-                raise ValueError(f"the stream reaches {self._fed + input_ids.shape[-1]} tokens, beyond the "
-                                 f"model's max_position_embeddings={known} (keys keep their true positions)")
+        limit = torch.iinfo(torch.int64).max if self.max_seq_len is None else self.max_seq_len
         input_ids, valid, positions = generation.place_block(self.seen, self._fed, limit, input_ids,
                                                              attention_mask, self.device, self.vocab_size)
         t = input_ids.shape[1]
+        self._check_positions(t)
         self._fed += t
         if t == 1:
             return self._decode_fn()(input_ids, positions, valid, *state)
@@ -296,6 +295,31 @@ class H2OModel(nn.Module):
             return last(input_ids[:, block], positions[:, block], valid[:, block], *state, *self._recent)
         return torch.cat([self._run_graph(input_ids[:, block], positions[:, block], valid[:, block], *state)
                           for block in blocks], dim=1)
+
+    def _check_positions(self, t: int) -> None:
+        """The positions a block of ``t`` tokens will use must be ones the model knows: true positions up to
+        max_position_embeddings (a stream of a rotary model may go on, with a warning: it extrapolates),
+        rolling ones below max(C) + block."""
+        known = self.limits.max_positions
+        if known is None:
+            return
+        chunk = t if self.h2o_config.prefill == "full" else min(t, self.h2o_config.prefill)
+        if self.h2o_config.positions == "rolling":
+            if max(self.layer_capacities) + chunk > known:
+                raise ValueError(f"rolling positions reach C + block = {max(self.layer_capacities)} + {chunk}, "
+                                 f"beyond the model's max_position_embeddings={known}: use fewer slots or a "
+                                 "smaller block (prefill=c)")
+        elif self._fed + t > known:
+            if self.max_seq_len is not None or not self.limits.rotary:
+                raise ValueError(f"the stream reaches {self._fed + t} tokens, beyond the model's "
+                                 f"max_position_embeddings={known} (keys keep their true positions; "
+                                 + ("positions='rolling' keeps them inside)" if self.limits.rotary else
+                                    "the model's positions are learned and end there)"))
+            if not self._warned_positions:
+                self._warned_positions = True
+                warnings.warn(f"the stream passes the model's max_position_embeddings={known} with true "
+                              "positions: the model extrapolates to distances it never saw (positions='rolling' "
+                              "keeps every distance below C + block)", stacklevel=3)
 
     def _last_logits(self):
         """The graph variant that projects only the block's last position through the output embeddings."""
@@ -331,8 +355,11 @@ class H2OModel(nn.Module):
         return self.step(input_ids, attention_mask)
 
 
-def build_graph(model: nn.Module, *, functional: bool = False):
-    """Capture ``model`` and rewrite its attention; returns (graph, layer specs, limits)."""
+def build_graph(model: nn.Module, *, functional: bool = False, positions: str = "true"):
+    """Capture ``model`` and rewrite its attention; returns (graph, layer specs, limits).
+
+    ``positions="rolling"`` also moves every layer's rotary embedding into its h2o op
+    (passes.move_rotary_into_ops); a model without rotary embeddings raises UnsupportedModelError."""
     limits = check_supported(model)
     graph = capture(model)
     sites, declines = find_attention_sites(graph.graph)
@@ -346,6 +373,13 @@ def build_graph(model: nn.Module, *, functional: bool = False):
             "matmul -> softmax -> matmul")
     check_layer_kinds(name, sites, limits)
     layers = rewrite_attention(graph, sites, functional=functional, windows=limits.windows)
+    _, not_rotary = find_rotary(graph)
+    limits = dataclasses.replace(limits, rotary=not not_rotary)
+    if positions == "rolling":
+        if not_rotary:
+            raise UnsupportedModelError(f"{name}: positions='rolling' needs rotary position embeddings on every "
+                                        "layer, to rotate keys by their rank in the cache; " + "; ".join(not_rotary))
+        move_rotary_into_ops(graph)
     return graph, layers, limits
 
 
@@ -364,12 +398,13 @@ def check_layer_kinds(name: str, sites, limits: ModelLimits) -> None:
 
 def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio: float = 0.5,
              sink_tokens: Optional[int] = None, policy: str = "h2o", prefill: Union[str, int] = "full",
-             seed: int = 0, compress_sliding: bool = False, compile: Union[str, bool] = "auto") -> H2OModel:
+             seed: int = 0, compress_sliding: bool = False, positions: str = "true",
+             compile: Union[str, bool] = "auto") -> H2OModel:
     """Turn a transformers causal LM into an :class:`H2OModel` whose KV cache keeps ``budget`` of the sequence.
 
     Args:
         budget: float in (0, 1] (fraction of prompt + new tokens) or int (cache slots).
-        recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding: see :class:`H2OConfig`.
+        recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding, positions: see :class:`H2OConfig`.
         compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU) once
             for every batch size and capacity (dynamic shapes; :meth:`H2OModel.warmup` compiles it ahead).
             ``"auto"`` does so on CUDA only: on CPU the one cold compile (~23 s for the benchmarks' KV-bound
@@ -381,7 +416,7 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
             after a longer first compile.
     """
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
-                       prefill=prefill, seed=seed, compress_sliding=compress_sliding)
+                       prefill=prefill, seed=seed, compress_sliding=compress_sliding, positions=positions)
     _check_compile(compile)
-    graph, layers, limits = build_graph(model)
+    graph, layers, limits = build_graph(model, positions=config.positions)
     return H2OModel(model, graph, layers, config, limits, compile=compile)

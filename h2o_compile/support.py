@@ -29,6 +29,7 @@ class ModelLimits:
     max_positions: Optional[int]
     windows: Sequence[int]  # per layer: sliding window W, 0 for a full-attention layer
     softcap: float = 0.0    # attention logit soft-capping (every layer), 0 = none
+    rotary: bool = False    # every layer rotates q and k as x * cos + rotate_half(x) * sin (found in the graph)
 
     @property
     def sliding_window(self) -> Optional[int]:

@@ -32,6 +32,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from .rolling import RopeTables, rotate_block
+
 POLICY_CODES = {"h2o": 0, "local": 1, "sink": 2, "random": 3, "full": 4}
 
 _LEHMER_MOD = 2147483647  # 2^31 - 1, prime: a Lehmer generator over it is a cheap integer hash
@@ -186,7 +188,8 @@ def _block_inputs(k, positions, valid):
 def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                   state: H2OState, *, scale: float, recent: int, sinks: int, policy: str,
                   seed: int = 0, window: int = 0, softcap: float = 0.0,
-                  sink_logits: Optional[Tensor] = None) -> tuple[Tensor, H2OState]:
+                  sink_logits: Optional[Tensor] = None,
+                  rope: Optional[RopeTables] = None) -> tuple[Tensor, H2OState]:
     """Functional H2O attention over one block of T >= 1 new tokens (the general path).
 
     Args:
@@ -195,6 +198,8 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
         valid: [B, T] bool or None; False marks a padding token, which is never attended nor cached.
         state: the layer's cache (C slots).
         window, softcap, sink_logits [Hq] or None: the layer's attention kind (module docstring).
+        rope: rotary tables for rolling positions (kernels/rolling.py): q, k and the cache hold unrotated
+            vectors, rotated by their rank in the cache for the attention only. None = true positions.
     Returns:
         out [B, Hq, T, Dv] and the new state. The block attends over C + T keys; ``attend`` takes the queries
         in chunks, so a whole prompt (prefill "full") never holds all [B, Hq, T, C + T] probabilities.
@@ -205,8 +210,10 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
     all_keys = torch.cat([key_cache, k.to(key_cache.dtype)], dim=2)             # [B, Hkv, C+T, D]
     all_values = torch.cat([value_cache, v.to(value_cache.dtype)], dim=2)
     all_pos = torch.cat([pos_cache, new_pos], dim=2)                            # [B, Hkv, C+T]
-    out, mass = attend(q, all_keys, all_values, all_pos, positions, valid, scale, new_from=cap, window=window,
-                       softcap=softcap, sink_logits=sink_logits)
+    q_seen, k_seen, state_seen = rolled_inputs(q, k, valid, state, rope)
+    keys_seen = all_keys if rope is None else torch.cat([state_seen.key_cache, k_seen.to(key_cache.dtype)], dim=2)
+    out, mass = attend(q_seen, keys_seen, all_values, all_pos, positions, valid, scale, new_from=cap,
+                       window=window, softcap=softcap, sink_logits=sink_logits)
     all_scores = torch.cat([score_cache, torch.zeros_like(new_pos, dtype=torch.float32)], dim=2) + mass
     new_state = compress(H2OState(all_keys, all_values, all_scores, all_pos), newest, cap, recent=recent,
                          sinks=sinks, policy=policy, seed=seed, window=window)
@@ -297,10 +304,20 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
     return out.reshape(b, hq, 1, -1).to(q.dtype), mass[..., :-1], mass[..., -1:]
 
 
+def rolled_inputs(q: Tensor, k: Tensor, valid: Tensor, state: H2OState,
+                  rope: Optional[RopeTables]) -> tuple[Tensor, Tensor, H2OState]:
+    """(q, k, state) as the attention of a block reads them. With rolling positions (``rope`` given): q, k and
+    a copy of the cached keys rotated at their rolling positions; the cache itself keeps unrotated keys."""
+    if rope is None:
+        return q, k, state
+    q_rot, k_rot, cache_rot = rotate_block(q, k, state.key_cache, state.pos_cache, valid, rope)
+    return q_rot, k_rot, state._replace(key_cache=cache_rot)
+
+
 def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                 state: H2OState, *, scale: float, recent: int, sinks: int, policy: str,
                 seed: int = 0, window: int = 0, softcap: float = 0.0,
-                sink_logits: Optional[Tensor] = None) -> Tensor:
+                sink_logits: Optional[Tensor] = None, rope: Optional[RopeTables] = None) -> Tensor:
     """In-place H2O attention for one new token (T = 1): the decode step.
 
     Same result as :func:`h2o_attention` with T = 1, without rebuilding the cache: the new token is written
@@ -310,7 +327,8 @@ def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optio
     Args: as :func:`h2o_attention` with T = 1. Returns out [B, Hq, 1, Dv]; ``state`` is updated in place.
     """
     valid, new_pos, newest = _block_inputs(k, positions, valid)                 # new_pos [B, Hkv, 1]
-    out, mass_cache, mass_new = attend_decode(q, k, v, valid, state, scale, new_pos, window=window,
+    q_seen, k_seen, state_seen = rolled_inputs(q, k, valid, state, rope)
+    out, mass_cache, mass_new = attend_decode(q_seen, k_seen, v, valid, state_seen, scale, new_pos, window=window,
                                               softcap=softcap, sink_logits=sink_logits)
     evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent, sinks=sinks,
                      policy=policy, seed=seed, window=window)
@@ -357,9 +375,9 @@ def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, new
 
 
 def h2o_attention_(q, k, v, positions, valid, state: H2OState, *, scale, recent, sinks, policy, seed=0,
-                   window=0, softcap=0.0, sink_logits=None):
+                   window=0, softcap=0.0, sink_logits=None, rope=None):
     """In-place H2O attention: the decode fast path for T = 1, else the general path copied back."""
-    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits)
+    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits, rope=rope)
     if q.shape[2] == 1:
         return h2o_decode_(q, k, v, positions, valid, state, scale=scale, recent=recent, sinks=sinks,
                            policy=policy, seed=seed, **kind)

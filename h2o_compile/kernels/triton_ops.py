@@ -23,6 +23,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from . import reference
+from .rolling import RopeTables
 from .triton_decode import decode_
 from .triton_prefill import prefill_attend
 
@@ -50,32 +51,45 @@ def triton_prefill(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, pos
 def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                    state: reference.H2OState, *, scale: float, recent: int, sinks: int, policy: str,
                    seed: int = 0, window: int = 0, softcap: float = 0.0, sink_logits: Optional[Tensor] = None,
-                   split_size: int = 0) -> Tensor:
+                   rope: Optional[RopeTables] = None, split_size: int = 0) -> Tensor:
     """In-place H2O attention with the Triton kernels; the contract of ``reference.h2o_attention_``.
 
     Args:
         q: [B, Hq, T, D]; k: [B, Hkv, T, D]; v: [B, Hkv, T, Dv]; positions: [B, T] int64;
         valid: [B, T] bool or None; state: the layer's cache (C slots), updated in place.
         window, softcap, sink_logits [Hq] or None: the layer's attention kind (reference.py).
+        rope: rotary tables for rolling positions (kernels/rolling.py), None = true positions. The kernels
+            read rotated copies of q, k and the cached keys; the cache keeps the unrotated keys.
         split_size: decode only, slots per split-K program (0 = chosen from the shapes); tests force it.
     Returns:
         out [B, Hq, T, Dv] in q's dtype.
     """
     key_cache, value_cache, score_cache, pos_cache = state
-    if q.shape[2] == 1:
-        return torch.ops.h2o.triton_decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache,
-                                            pos_cache, scale, recent, sinks, policy, seed, split_size, window,
-                                            softcap, sink_logits)
-    cap = pos_cache.shape[-1]
     b, hkv, t, _ = k.shape
     if valid is None:
         valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
+    q_seen, k_seen, seen = reference.rolled_inputs(q, k, valid, state, rope)
+    if q.shape[2] == 1:
+        if rope is None:
+            return torch.ops.h2o.triton_decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache,
+                                                pos_cache, scale, recent, sinks, policy, seed, split_size, window,
+                                                softcap, sink_logits)
+        # The kernel writes the rotated new key into the rotated copy; the cache gets the unrotated one in the
+        # slot the kernel chose (the one now holding the new position).
+        out = torch.ops.h2o.triton_decode_(q_seen, k_seen, v, positions, valid, seen.key_cache, value_cache,
+                                           score_cache, pos_cache, scale, recent, sinks, policy, seed, split_size,
+                                           window, softcap, sink_logits)
+        written = (pos_cache == positions[:, None, :]) & valid[:, None, :]                 # [B, Hkv, C]
+        key_cache.copy_(torch.where(written[..., None], k.to(key_cache.dtype), key_cache))
+        return out
+    cap = pos_cache.shape[-1]
     new_pos = torch.where(valid, positions, torch.full_like(positions, -1))           # [B, T]
     newest = new_pos.amax(dim=1).view(b, 1, 1)
     all_keys = torch.cat([key_cache, k.to(key_cache.dtype)], dim=2)                   # [B, Hkv, C+T, D]
     all_values = torch.cat([value_cache, v.to(value_cache.dtype)], dim=2)
     all_pos = torch.cat([pos_cache, new_pos[:, None, :].expand(b, hkv, t)], dim=2)    # [B, Hkv, C+T]
-    out, mass = torch.ops.h2o.triton_prefill(q, all_keys, all_values, all_pos, positions, valid, scale, cap,
+    keys_seen = all_keys if rope is None else torch.cat([seen.key_cache, k_seen.to(key_cache.dtype)], dim=2)
+    out, mass = torch.ops.h2o.triton_prefill(q_seen, keys_seen, all_values, all_pos, positions, valid, scale, cap,
                                              window, softcap, sink_logits)
     all_scores = torch.cat([score_cache, score_cache.new_zeros(b, hkv, t)], dim=2) + mass
     new_state = reference.compress(reference.H2OState(all_keys, all_values, all_scores, all_pos), newest, cap,

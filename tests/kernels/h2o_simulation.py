@@ -6,6 +6,10 @@ against it. One simulated cache per (batch row, KV head).
 Attention kinds (DESIGN.md section 2): ``window`` W (a query at t sees key p only if t - p < W; a key that left
 the window is dropped before any eviction choice), ``softcap`` (logits = cap * tanh(logits / cap)) and
 ``sink_logits`` (one extra logit per query head of the group in the softmax denominator, receiving no score).
+
+Rolling positions (``inv_freq`` given, [R / 2] float64): keys and queries arrive unrotated; at each block the
+kept positions are numbered 0..n-1 in increasing order and the block's tokens n, n+1, ...; both are rotated
+with these numbers (angle = number x inv_freq[i], pairing dims i and i + R/2, dims >= R untouched).
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ def random_key(pos: int, seed: int) -> int:
 class SimulatedCache:
     """Kept positions S and their scores A for one (row, KV head); keys/values of every token ever seen."""
 
-    def __init__(self, capacity, recent, sinks, policy, seed=0, window=None, softcap=None, sink_logits=None):
+    def __init__(self, capacity, recent, sinks, policy, seed=0, window=None, softcap=None, sink_logits=None,
+                 inv_freq=None):
         self.capacity, self.recent, self.sinks, self.policy, self.seed = capacity, recent, sinks, policy, seed
         self.window, self.softcap, self.sink_logits = window, softcap, sink_logits
+        self.inv_freq = inv_freq
         self.kept: set[int] = set()
         self.score: dict[int, float] = {}
         self.keys: dict[int, torch.Tensor] = {}
@@ -37,6 +43,8 @@ class SimulatedCache:
     def block(self, positions, q, k, v, scale):
         """positions: list of valid new positions (ascending); q: [G, T, D]; k, v: [T, D] (float64).
         Returns the outputs [G, T, Dv] for those positions."""
+        number = {p: i for i, p in enumerate(sorted(self.kept))}
+        number.update({p: len(self.kept) + j for j, p in enumerate(positions)})
         for j, p in enumerate(positions):
             self.keys[p], self.values[p] = k[j], v[j]
             self.score[p] = 0.0
@@ -45,10 +53,10 @@ class SimulatedCache:
         for i, t in enumerate(positions):
             visible = sorted(p for p in self.kept | {p for p in new if p <= t}
                              if self.window is None or t - p < self.window)
-            keys = torch.stack([self.keys[p] for p in visible])
+            keys = torch.stack([self.turn(self.keys[p], number[p]) for p in visible])
             values = torch.stack([self.values[p] for p in visible])
             for g in range(q.shape[0]):
-                logits = [float(q[g, i] @ key) * scale for key in keys]
+                logits = [float(self.turn(q[g, i], number[t]) @ key) * scale for key in keys]
                 if self.softcap is not None:
                     logits = [self.softcap * math.tanh(x / self.softcap) for x in logits]
                 sink = None if self.sink_logits is None else float(self.sink_logits[g])
@@ -63,6 +71,18 @@ class SimulatedCache:
         if positions:
             self._evict(newest=max(positions))
         return outs
+
+    def turn(self, x, number):
+        """x [D] rotated to ``number`` (rolling positions), or x itself with true positions."""
+        if self.inv_freq is None:
+            return x
+        out = x.clone()
+        half = len(self.inv_freq)
+        for i, freq in enumerate(self.inv_freq.tolist()):
+            c, s = math.cos(number * freq), math.sin(number * freq)
+            out[i] = x[i] * c - x[i + half] * s
+            out[i + half] = x[i + half] * c + x[i] * s
+        return out
 
     def _evict(self, newest):
         if self.window is not None:

@@ -1,0 +1,188 @@
+"""Move each layer's rotary embedding from the captured graph into its h2o op (``positions="rolling"``).
+
+Before: ``h2o.attention_(rope(q), rope(k), ...)`` with ``rope(x) = x * cos + rotate_half(x) * sin`` on the first
+R dims of x (R < D: partial rotary, GPT-NeoX / Phi style), cos and sin [B, 1, T, R] computed by the model's
+rotary embedding from ``position_ids``.
+After:  ``h2o.attention_(q, k, ..., rope_cos, rope_sin)``: the op caches unrotated keys and rotates q and k at
+attention time by their rank in the cache (kernels/rolling.py). The tables are the model's own rotary
+subgraph evaluated at positions 0..S-1 with S = (largest cache among the layers sharing the table) + T, so
+the model's base, scaling and per-layer bases (Gemma 3's local and global) carry over unchanged.
+
+A model without that pattern (learned absolute positions, ALiBi, interleaved rotary) cannot move its
+positions: :func:`find_rotary` names the layer and what it found instead.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+from torch.fx import GraphModule, Node
+
+from .attention_sites import _is_call, _last_dim, _val
+from .h2o_attention import _FUNCTIONAL, _INPLACE
+
+aten = torch.ops.aten
+_CASTS = (aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default, aten.contiguous.default)
+_POS_CACHE = 8   # argument index of the layer's position cache in the h2o op schema
+_OP_ARGS = 17    # arguments of an h2o op before the rotary tables
+
+
+@dataclass(frozen=True)
+class Rotary:
+    """``rope(source)`` in the graph: ``source`` [B, H, T, D] unrotated; cos, sin [B, 1, T, R] as multiplied."""
+
+    source: Node
+    cos: Node
+    sin: Node
+
+
+def _strip(node):
+    while _is_call(node, *_CASTS):
+        node = node.args[0]
+    return node
+
+
+def _slice_of(node, start, end=None) -> Optional[Node]:
+    """x for ``x[..., start:end]`` (end None = to the end), else None."""
+    if not (_is_call(node, aten.slice.Tensor) and len(node.args) >= 4 and _last_dim(node.args[0], node.args[1])):
+        return None
+    stop = node.args[3]
+    if node.args[2] != start or (stop != end if end is not None else stop < (1 << 62)):
+        return None
+    return node.args[0]
+
+
+def _rotate_half_of(node) -> Optional[Node]:
+    """x for ``cat([-x[..., h:], x[..., :h]], -1)`` with 2h = x's last dim, else None."""
+    if not (_is_call(node, aten.cat.default) and len(node.args[0]) == 2 and
+            _last_dim(node, node.args[1] if len(node.args) > 1 else 0)):
+        return None
+    neg, first = node.args[0]
+    if not _is_call(neg, aten.neg.default):
+        return None
+    width = _val(node).shape[-1]
+    x = _slice_of(neg.args[0], width // 2)
+    return x if x is not None and _slice_of(first, 0, width // 2) is x else None
+
+
+def _products(node) -> Optional[tuple]:
+    if not (_is_call(node, aten.add.Tensor) and all(_is_call(a, aten.mul.Tensor) for a in node.args[:2])):
+        return None
+    return tuple(tuple(m.args[:2]) for m in node.args[:2])
+
+
+def _full_rotary(node) -> Optional[Rotary]:
+    """``x * cos + rotate_half(x) * sin`` (either order of the sum and of each product)."""
+    products = _products(_strip(node))
+    if products is None:
+        return None
+    for plain, turned in (products, products[::-1]):
+        for x, cos in (plain, plain[::-1]):
+            for half, sin in (turned, turned[::-1]):
+                if isinstance(x, Node) and _rotate_half_of(half) is x and isinstance(cos, Node) and \
+                        isinstance(sin, Node):
+                    return Rotary(x, cos, sin)
+    return None
+
+
+def match_rotary(node) -> Union[Rotary, str]:
+    """The rotary application that produced ``node`` (q or k of an h2o op), or why there is none."""
+    node = _strip(node)
+    full = _full_rotary(node)
+    if full is not None:
+        return full
+    if _is_call(node, aten.cat.default) and len(node.args[0]) == 2:  # partial: cat([rope(x[:R]), x[R:]])
+        rotated, passed = node.args[0]
+        part = _full_rotary(rotated)
+        if part is not None:
+            width = _val(part.source).shape[-1]
+            source = _slice_of(part.source, 0, width)
+            if source is not None and _slice_of(passed, width) is source:
+                return Rotary(source, part.cos, part.sin)
+    found = node.target if isinstance(node, Node) else node
+    return f"its input is {found}, not x * cos + rotate_half(x) * sin (rotary embedding on the last dim)"
+
+
+def find_rotary(gm: GraphModule) -> tuple[list[tuple[Rotary, Rotary]], list[str]]:
+    """(q, k) rotary applications of every h2o op in graph order, and the reasons of the layers without one."""
+    pairs, declines = [], []
+    for layer, node in enumerate(_h2o_ops(gm)):
+        q, k = match_rotary(node.args[0]), match_rotary(node.args[1])
+        if isinstance(q, str) or isinstance(k, str):
+            declines.append(f"layer {layer}: {'query' if isinstance(q, str) else 'key'} " + (q if isinstance(q, str)
+                                                                                                 else k))
+        elif (q.cos, q.sin) != (k.cos, k.sin):
+            declines.append(f"layer {layer}: queries and keys are rotated with different tables")
+        else:
+            pairs.append((q, k))
+    return pairs, declines
+
+
+def _h2o_ops(gm: GraphModule) -> list[Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_INPLACE, _FUNCTIONAL)]
+
+
+def move_rotary_into_ops(gm: GraphModule) -> int:
+    """Rewrite every h2o op to take unrotated q, k and the rotary tables; returns the number of ops rewritten.
+
+    Raises ValueError naming the layers whose positions cannot move (see :func:`find_rotary`)."""
+    graph = gm.graph
+    ops = _h2o_ops(gm)
+    pairs, declines = find_rotary(gm)
+    if declines:
+        raise ValueError("positions='rolling' needs every layer's rotary embedding in the graph; " + "; ".join(declines))
+    if any(len(op.args) != _OP_ARGS for op in ops):
+        raise ValueError("the h2o ops already take rotary tables (the graph was rewritten before)")
+    position_ids = [n for n in graph.nodes if n.op == "placeholder"][1]
+    by_table: dict[tuple[Node, Node], list[Node]] = {}
+    for op, (q, _) in zip(ops, pairs):
+        by_table.setdefault((q.cos, q.sin), []).append(op)
+    for (cos, sin), users in by_table.items():
+        with graph.inserting_before(users[0]):
+            positions = _table_positions(graph, position_ids, users)
+            env = _copy_from(graph, [cos, sin], position_ids, positions)
+        for op in users:
+            q, k = pairs[ops.index(op)]
+            op.args = (q.source, k.source, *op.args[2:], env[cos], env[sin])
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output") or n.target is _INPLACE)
+    graph.lint()
+    gm.recompile()
+    return len(ops)
+
+
+def _table_positions(graph: torch.fx.Graph, position_ids: Node, users: list[Node]) -> Node:
+    """``arange(S)`` expanded to [B, S]: S = the largest cache among ``users`` + the block's T."""
+    size = graph.call_function(aten.sym_size.int, (users[0].args[_POS_CACHE], 2))
+    for op in users[1:]:
+        size = graph.call_function(torch.sym_max, (size, graph.call_function(aten.sym_size.int,
+                                                                              (op.args[_POS_CACHE], 2))))
+    total = graph.call_function(operator.add, (size, graph.call_function(aten.sym_size.int, (position_ids, 1))))
+    batch = graph.call_function(aten.sym_size.int, (position_ids, 0))
+    device = _val(position_ids).device
+    ramp = graph.call_function(aten.arange.default, (total,), {"dtype": torch.int64, "device": device})
+    return graph.call_function(aten.expand.default, (graph.call_function(aten.unsqueeze.default, (ramp, 0)),
+                                                     [batch, -1]))
+
+
+def _copy_from(graph: torch.fx.Graph, outputs: list[Node], source: Node, replacement: Node) -> dict[Node, Node]:
+    """Copy the nodes between ``source`` and ``outputs`` (their ancestors that depend on ``source``) at the
+    insertion point, reading ``replacement`` instead; returns the map old node -> copy (other inputs are
+    shared, e.g. the inverse frequencies)."""
+    depends = {source}
+    for node in graph.nodes:  # graph order is a topological order
+        if any(i in depends for i in node.all_input_nodes):
+            depends.add(node)
+    needed, stack = set(), list(outputs)
+    while stack:
+        node = stack.pop()
+        if node not in needed and node is not source and node in depends:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    env = {source: replacement}
+    for node in [n for n in graph.nodes if n in needed]:
+        env[node] = graph.node_copy(node, lambda n: env.get(n, n))
+        env[node].meta = {}  # the traced shapes say T positions; the copy computes S
+    return env
