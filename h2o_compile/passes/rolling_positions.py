@@ -2,7 +2,8 @@
 
 Before: ``h2o.attention_(rope(q), rope(k), ...)`` with ``rope(x) = x * cos + rotate_half(x) * sin`` on the first
 R dims of x (R < D: partial rotary, GPT-NeoX / Phi style), cos and sin [B, 1, T, R] computed by the model's
-rotary embedding from ``position_ids``.
+rotary embedding from ``position_ids``; or its chunked form ``cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin])``
+with half-width tables (GPT-OSS), the same rotation.
 After:  ``h2o.attention_(q, k, ..., rope_cos, rope_sin)``: the op caches unrotated keys and rotates q and k at
 attention time by their rank in the cache (kernels/rolling.py). The tables are the model's own rotary
 subgraph evaluated at positions 0..S-1 with S = (largest cache among the layers sharing the table) + T, so
@@ -32,11 +33,13 @@ _OP_ARGS = 17    # arguments of an h2o op before the rotary tables
 
 @dataclass(frozen=True)
 class Rotary:
-    """``rope(source)`` in the graph: ``source`` [B, H, T, D] unrotated; cos, sin [B, 1, T, R] as multiplied."""
+    """``rope(source)`` in the graph: ``source`` [B, H, T, D] unrotated; cos, sin [B, 1, T, R] as multiplied,
+    or [B, 1, T, R/2] when ``half`` (the chunked form, GPT-OSS: each frequency once)."""
 
     source: Node
     cos: Node
     sin: Node
+    half: bool = False
 
 
 def _strip(node):
@@ -88,10 +91,43 @@ def _full_rotary(node) -> Optional[Rotary]:
     return None
 
 
+def _mul_pair(node, x) -> Optional[Node]:
+    """t for ``x * t`` or ``t * x``, else None."""
+    if _is_call(node, aten.mul.Tensor):
+        a, b = node.args[:2]
+        if a is x and isinstance(b, Node):
+            return b
+        if b is x and isinstance(a, Node):
+            return a
+    return None
+
+
+def _chunked_rotary(node) -> Optional[Rotary]:
+    """``cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)`` with ``x1, x2 = x.chunk(2, -1)``."""
+    if not (_is_call(node, aten.cat.default) and len(node.args[0]) == 2 and
+            _last_dim(node, node.args[1] if len(node.args) > 1 else 0)):
+        return None
+    first, second = node.args[0]
+    if not (_is_call(first, aten.sub.Tensor) and _is_call(second, aten.add.Tensor)):
+        return None
+    halves = [a for a in first.args[0].args[:2] if _is_call(a, operator.getitem)] if \
+        _is_call(first.args[0], aten.mul.Tensor) else []
+    chunk = halves[0].args[0] if halves else None
+    if not (_is_call(chunk, aten.chunk.default) and chunk.args[1] == 2 and _last_dim(chunk.args[0], chunk.args[2])):
+        return None
+    x1, x2 = (next((u for u in chunk.users if u.target is operator.getitem and u.args[1] == i), None)
+              for i in (0, 1))
+    cos, sin = _mul_pair(first.args[0], x1), _mul_pair(first.args[1], x2)
+    second_terms = {_mul_pair(term, x) for term in second.args[:2] for x in (x1, x2)} - {None}
+    if cos is None or sin is None or second_terms != {cos, sin}:
+        return None
+    return Rotary(chunk.args[0], cos, sin, half=True)
+
+
 def match_rotary(node) -> Union[Rotary, str]:
     """The rotary application that produced ``node`` (q or k of an h2o op), or why there is none."""
     node = _strip(node)
-    full = _full_rotary(node)
+    full = _full_rotary(node) or _chunked_rotary(node)
     if full is not None:
         return full
     if _is_call(node, aten.cat.default) and len(node.args[0]) == 2:  # partial: cat([rope(x[:R]), x[R:]])
@@ -100,6 +136,8 @@ def match_rotary(node) -> Union[Rotary, str]:
         if part is not None:
             width = _val(part.source).shape[-1]
             source = _slice_of(part.source, 0, width)
+            if source is None and _is_call(part.source, aten.alias.default):  # x[..., :R] with R = D (Phi-3)
+                source = part.source.args[0]
             if source is not None and _slice_of(passed, width) is source:
                 return Rotary(source, part.cos, part.sin)
     found = node.target if isinstance(node, Node) else node
@@ -144,9 +182,12 @@ def move_rotary_into_ops(gm: GraphModule) -> int:
         with graph.inserting_before(users[0]):
             positions = _table_positions(graph, position_ids, users)
             env = _copy_from(graph, [cos, sin], position_ids, positions)
+            tables = [env[cos], env[sin]]
+            if pairs[ops.index(users[0])][0].half:  # the op's tables repeat each frequency (rotate-half layout)
+                tables = [graph.call_function(aten.cat.default, ([t, t], -1)) for t in tables]
         for op in users:
             q, k = pairs[ops.index(op)]
-            op.args = (q.source, k.source, *op.args[2:], env[cos], env[sin])
+            op.args = (q.source, k.source, *op.args[2:], *tables)
     graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output") or n.target is _INPLACE)
     graph.lint()
     gm.recompile()

@@ -3,7 +3,11 @@ custom attention function masks every key the brute-force simulation (tests/kern
 evicted. Independent of the capture, the graph pass and the h2o ops.
 
 Each layer's attention kind comes from transformers' own attention module: ``module.sliding_window`` (None on
-full-attention layers), the ``softcap`` the model passes to its attention function, ``module.sinks``."""
+full-attention layers), the ``softcap`` the model passes to its attention function, ``module.sinks``.
+
+Rolling positions: transformers hands the attention q and k rotated at their true positions; the simulation
+turns them back (the inverse rotation, float64, from the model's own inverse frequencies of that layer) and
+lets the brute-force cache rotate them by rank."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ def _h2o_sim_attention(module, query, key, value, attention_mask, scaling=None, 
     window = getattr(module, "sliding_window", None) or None
     sink_logits = getattr(module, "sinks", None)
     kind = dict(window=window, softcap=kwargs.get("softcap"))
+    inv_freq = _SIMS["inv_freq"](module.layer_idx)
     cache_args = _SIMS["cache_args"](module.layer_idx, window)
     b, hq, t, _ = query.shape
     hkv, total = key.shape[1], key.shape[2]
@@ -28,32 +33,59 @@ def _h2o_sim_attention(module, query, key, value, attention_mask, scaling=None, 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = torch.zeros(b, hq, t, value.shape[-1], dtype=torch.float64)
     positions = list(range(total - t, total))
+    dtype = query.dtype
+    if inv_freq is not None:
+        new_keys = _unrotate(key[:, :, total - t:], inv_freq, positions)
+        key = torch.cat([key[:, :, :total - t].double(), new_keys], dim=2)  # only the new keys are read below
+        query = _unrotate(query, inv_freq, positions)
     for row in range(b):
         for h in range(hkv):
             sinks = None if sink_logits is None else sink_logits[h * group:(h + 1) * group].double()
-            sim = sims.setdefault((row, h), SimulatedCache(**cache_args, **kind, sink_logits=sinks))
+            sim = sims.setdefault((row, h), SimulatedCache(**cache_args, **kind, sink_logits=sinks, inv_freq=inv_freq))
             out[row, h * group:(h + 1) * group] = sim.block(
                 positions, query[row, h * group:(h + 1) * group].double(), key[row, h, total - t:].double(),
                 value[row, h, total - t:].double(), scale)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+    return out.to(dtype).transpose(1, 2).contiguous(), None
+
+
+def _unrotate(x, inv_freq, positions):
+    """x [B, H, T, D] rotated (rotate-half layout, first 2 * len(inv_freq) dims) at ``positions`` -> unrotated."""
+    x = x.double()
+    angles = torch.tensor(positions, dtype=torch.float64)[:, None] * inv_freq.double()[None, :]   # [T, R/2]
+    cos, sin = angles.cos(), angles.sin()
+    half = inv_freq.shape[0]
+    a, b, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return torch.cat([a * cos + b * sin, b * cos - a * sin, rest], dim=-1)
+
+
+def layer_inv_freq(model, layer):
+    """The inverse frequencies of ``layer``'s rotary embedding (per layer type where the model has several)."""
+    rotary = model.base_model.rotary_emb
+    layer_types = getattr(model.config, "layer_types", None)
+    if layer_types is not None and hasattr(rotary, f"{layer_types[layer]}_inv_freq"):
+        return getattr(rotary, f"{layer_types[layer]}_inv_freq")
+    return rotary.inv_freq
 
 
 transformers.AttentionInterface.register("h2o_sim", _h2o_sim_attention)
 
 
 @torch.no_grad()
-def simulate_logits(model, input_ids, blocks, *, capacity, recent, sinks, policy, seed=0, layer_args=None):
+def simulate_logits(model, input_ids, blocks, *, capacity, recent, sinks, policy, seed=0, layer_args=None,
+                    rolling=False):
     """Feed ``input_ids`` [B, S] in blocks of the given sizes; returns logits [B, S, V] under simulated H2O.
 
     ``layer_args(layer, window) -> dict(capacity=, recent=, sinks=)`` gives a layer its own cache size (for
-    sliding-window layers); by default every layer gets ``capacity``, ``recent`` and ``sinks``."""
+    sliding-window layers); by default every layer gets ``capacity``, ``recent`` and ``sinks``.
+    ``rolling``: rolling positions (keys rotated by their rank in the cache, module docstring)."""
     _SIMS.clear()
     shared = dict(capacity=capacity, recent=recent, sinks=sinks)
 
     def cache_args(layer, window):
         return dict(**(layer_args(layer, window) if layer_args else shared), policy=policy, seed=seed)
 
-    _SIMS.update(by_layer={}, cache_args=cache_args)
+    _SIMS.update(by_layer={}, cache_args=cache_args,
+                 inv_freq=lambda layer: layer_inv_freq(model, layer).double() if rolling else None)
     before = model.config._attn_implementation
     model.set_attn_implementation("h2o_sim")
     try:
