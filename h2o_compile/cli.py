@@ -1,4 +1,4 @@
-"""``h2o-compile``: demo | generate | eval | bench | export."""
+"""``h2o-compile``: demo | generate | eval | stream | bench | export."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import POLICIES
+from .config import POLICIES, POSITIONS
 
 
 def parse_budget(text: str):
@@ -166,6 +166,44 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_stream(args) -> int:
+    import torch
+
+    from .quality.stream import stream_runs
+    from .quality.stream_report import write_stream_report
+    from .zoo.data import encode_stream
+
+    for name, values, allowed in (("--policy", args.policy, [p for p in POLICIES if p != "full"]),
+                                  ("--positions", args.positions, list(POSITIONS))):
+        bad = [v for v in values if v not in allowed]
+        if bad or not values:
+            raise ValueError(f"{name} {bad or values}: choose from {', '.join(allowed)}")
+    model, tokenizer = load_local(args.model)
+    texts = []
+    for path in args.text:
+        texts.append(Path(path).read_text(encoding="utf-8", errors="replace"))
+    ids = torch.from_numpy(encode_stream(tokenizer, texts).astype("int64"))
+    if args.tokens > ids.numel():
+        raise ValueError(f"--tokens {args.tokens:,}: the texts hold {ids.numel():,} tokens; give more --text files "
+                         "or fewer tokens")
+    ids = ids[:args.tokens]
+    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    names = [Path(p).name for p in args.text]
+    start = time.perf_counter()
+
+    def write(runs):  # after every run, so a long sweep keeps what it finished
+        return write_stream_report(runs, args.out, model_name=_model_name(args.model), text_names=names,
+                                   max_positions=max_positions, elapsed_s=time.perf_counter() - start)
+
+    runs = stream_runs(model, ids, capacity=args.budget_slots, chunk=args.chunk, policies=args.policy,
+                       positions=args.positions, sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
+                       on_run=write)
+    paths = write(runs)
+    print(paths["markdown"].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
 def _model_name(path) -> str:
     if not path or path == "tiny":
         return "tiny-llama"
@@ -303,6 +341,19 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--h2o-sinks", type=int, default=0, help="also evaluate h2o with this many sink tokens")
     ev.add_argument("--out", default="docs/results/eval")
     ev.set_defaults(func=cmd_eval)
+
+    st = sub.add_parser("stream", help="one long stream through a fixed-size cache: perplexity and memory along it")
+    st.add_argument("--model", default="tiny", help="model folder, .gguf file, or gemma3-270m / tiny (default)")
+    st.add_argument("--text", nargs="+", required=True, help="text file(s), concatenated into one stream")
+    st.add_argument("--tokens", type=int, required=True, help="stream length in tokens")
+    st.add_argument("--budget-slots", type=int, required=True, help="cache slots C per layer and KV head")
+    st.add_argument("--chunk", type=int, default=64, help="tokens per step (memory: C + chunk)")
+    st.add_argument("--policy", type=_csv(str), default=["h2o", "sink"], help="comma-separated (h2o,sink)")
+    st.add_argument("--positions", type=_csv(str), default=["rolling"], help="rolling and/or true")
+    st.add_argument("--sink-tokens", type=int, default=None, help="default: 0 for h2o, 4 for sink")
+    st.add_argument("--window-tokens", type=int, default=4096, help="scored tokens per reported window")
+    st.add_argument("--out", default="docs/results/stream")
+    st.set_defaults(func=cmd_stream)
 
     exp = sub.add_parser("export", help="export an H2O model to ONNX for ONNX Runtime")
     exp.add_argument("--model", required=True, help="model folder, .gguf file, or gemma3-270m / tiny")

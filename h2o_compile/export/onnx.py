@@ -66,7 +66,7 @@ def state_output_names(num_layers: int) -> list[str]:
 
 
 def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent,
-                     sinks, policy, seed, window=0, softcap=0.0, sink_logits=None):
+                     sinks, policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None):
     """torch.ops.h2o.attention -> one call of the H2OAttention function (attributes carry the constants).
 
     A layer without learned sinks passes all -inf (no sink for any head): the function's input is always
@@ -78,19 +78,22 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
     if sink_logits is None:
         # [Hq] from q's static head count; the optimizer folds Shape + Expand into a constant.
         sink_logits = op.Expand(op.Constant(value_float=float("-inf")), op.Shape(q, start=1, end=2))
+    rolling = rope_cos is not None
+    if not rolling:  # true positions: a placeholder table, never read (the function's If folds away)
+        rope_cos = rope_sin = op.ConstantOfShape(op.Constant(value_ints=[1, 1, 2]))
     return H2OAttentionNode(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache,
-                            sink_logits, scale=float(scale), recent=int(recent), sinks=int(sinks),
-                            policy=POLICY_CODES[policy], seed=int(seed), window=int(window),
-                            softcap=float(softcap))
+                            sink_logits, rope_cos, rope_sin, scale=float(scale), recent=int(recent),
+                            sinks=int(sinks), policy=POLICY_CODES[policy], seed=int(seed), window=int(window),
+                            softcap=float(softcap), rolling=int(rolling))
 
 
-def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding=_UNSET
-                    ) -> tuple[nn.Module, H2OConfig]:
+def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding=_UNSET,
+                    positions=_UNSET) -> tuple[nn.Module, H2OConfig]:
     """An H2OModel lends its H2OConfig (explicit arguments win); a transformers model gets the defaults."""
     from ..runtime import H2OModel
 
     given = {"budget": budget, "recent_ratio": recent_ratio, "sink_tokens": sink_tokens, "policy": policy,
-             "prefill": prefill, "seed": seed, "compress_sliding": compress_sliding}
+             "prefill": prefill, "seed": seed, "compress_sliding": compress_sliding, "positions": positions}
     given = {k: v for k, v in given.items() if v is not _UNSET}
     if isinstance(model, H2OModel):
         base = model.h2o_config
@@ -98,7 +101,7 @@ def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, s
         sinks = None if "policy" in given and "sink_tokens" not in given else base.sink_tokens
         fields = {"budget": base.budget, "recent_ratio": base.recent_ratio, "policy": base.policy,
                   "prefill": base.prefill, "seed": base.seed, "sink_tokens": sinks,
-                  "compress_sliding": base.compress_sliding}
+                  "compress_sliding": base.compress_sliding, "positions": base.positions}
         fields.update(given)
         return model.model, H2OConfig(**fields)
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
@@ -109,11 +112,13 @@ def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, s
 
 def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len: int | None = None,
                 batch_size: int | None = None, policy=_UNSET, recent_ratio=_UNSET, sink_tokens=_UNSET,
-                prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, opset: int = 18, tokenizer=None) -> Path:
+                prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, positions=_UNSET, opset: int = 18,
+                tokenizer=None) -> Path:
     """Export ``model`` (a transformers causal LM or an :class:`H2OModel`) with its H2O cache to ``out_dir``.
 
     Args:
-        budget, policy, recent_ratio, sink_tokens, prefill, seed, compress_sliding: as :class:`H2OConfig`
+        budget, policy, recent_ratio, sink_tokens, prefill, seed, compress_sliding, positions: as
+            :class:`H2OConfig`
             (default: the H2OModel's own settings, else H2OConfig's defaults). ``prefill`` is recorded for the
             ORT model.
         max_seq_len: the longest prompt + new tokens the export serves (default: the model's
@@ -129,7 +134,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     from ..runtime import build_graph  # runtime imports export lazily via the package; avoid a cycle
 
     hf_model, config = _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed,
-                                       compress_sliding)
+                                       compress_sliding, positions)
     if opset not in SUPPORTED_OPSETS:
         raise ValueError(f"opset={opset!r}; allowed: {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
@@ -142,9 +147,10 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 1 (prompt + new tokens)")
     capacity = config.capacity(max_seq_len)
     recent = config.recent_window(capacity)
-    check_sequence_fits(check_supported(hf_model), max_seq_len)  # from the config, before the slow capture
+    if config.positions == "true":  # rolling positions stay below C + T whatever the sequence length
+        check_sequence_fits(check_supported(hf_model), max_seq_len)  # from the config, before the slow capture
 
-    graph, layers, _ = build_graph(hf_model, functional=True)
+    graph, layers, _ = build_graph(hf_model, functional=True, positions=config.positions)
     dtype = layers[0].dtype
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype} is not supported by the ONNX export; use float32 or float16")
@@ -159,7 +165,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         "format": FORMAT, "format_version": FORMAT_VERSION, "model_file": MODEL_FILE,
         "budget": config.budget, "policy": config.policy, "recent_ratio": config.recent_ratio,
         "sink_tokens": config.sink_tokens, "seed": config.seed, "prefill": config.prefill,
-        "compress_sliding": config.compress_sliding,
+        "compress_sliding": config.compress_sliding, "positions": config.positions,
         "capacity": capacity, "recent": recent, "max_seq_len": max_seq_len, "batch_size": batch_size,
         "opset": opset, "dtype": _DTYPES[dtype], "vocab_size": int(hf_model.config.vocab_size),
         "num_layers": len(layers),

@@ -6,10 +6,11 @@ exported graph still shows one readable node per layer.
 
 Signature (shapes as in kernels/reference.py; C = cache slots, S = C + T):
 
-    H2OAttention<scale: float, recent: int, sinks: int, policy: int, seed: int, window: int, softcap: float>(
+    H2OAttention<scale: float, recent: int, sinks: int, policy: int, seed: int, window: int, softcap: float,
+                 rolling: int>(
         q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], positions [B, T] int64, valid [B, T] bool,
         key_cache [B, Hkv, C, D], value_cache [B, Hkv, C, Dv], score_cache [B, Hkv, C] f32,
-        pos_cache [B, Hkv, C] int64, sink_logits [Hq] float)
+        pos_cache [B, Hkv, C] int64, sink_logits [Hq] float, rope_cos [B', S', R], rope_sin [B', S', R])
     -> out [B, Hq, T, Dv], key_cache', value_cache', score_cache', pos_cache'
 
 ``policy`` is the integer code of reference.POLICY_CODES. The body computes the priorities of every policy
@@ -22,6 +23,12 @@ head (exp(-inf) adds exactly 0 to the denominator), and the exporter passes all 
 sinks. One function with an input that is always there, instead of a second variant, keeps one body and one
 schema. Soft-capping and sinks cost nothing when off (their Ifs fold, see "Equivalence" below); an unused
 window costs two boolean Ors, over [B, Hkv, 1, T, S] and [B, Hkv, S].
+
+Rolling positions (``rolling`` = 1; kernels/rolling.py): q, k and the cache are unrotated, and ``rope_cos`` /
+``rope_sin`` are the model's rotary tables at positions 0..S'-1 (S' >= C + T). The ranks come from one TopK
+over the cached positions (exact in fp32 up to 2^24 positions) scattered back to the slots; q, the cached keys
+and the block's keys are rotated together, in fp32 (the reference rotates in the tables' dtype, the same for
+an fp32 model). With ``rolling`` = 0 the tables are a [1, 1, 2] placeholder and the If folds away.
 
 Precondition (kept by every state this function and reference.empty_state produce): an empty slot
 (position -1) holds zero key, value and score.
@@ -69,8 +76,9 @@ H2O_OPSET = Opset(DOMAIN, 1)
 
 
 @script(H2O_OPSET, default_opset=op)
-def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, sink_logits,
-                 scale: float, recent: int, sinks: int, policy: int, seed: int, window: int, softcap: float):
+def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, sink_logits, rope_cos,
+                 rope_sin, scale: float, recent: int, sinks: int, policy: int, seed: int, window: int, softcap: float,
+                 rolling: int):
     # ---- shapes (1-D int64 tensors of one element) -----------------------------------------------------
     b = op.Shape(q, start=0, end=1)
     hkv = op.Shape(k, start=1, end=2)
@@ -98,8 +106,46 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     # a free reshape of [B, Hq, T, D]), and cache and block are multiplied separately: concatenating them
     # first would copy the whole cache every step.
     qg = op.Reshape(op.Cast(q, to=FLOAT.dtype), op.Concat(b, hkv, [-1], d, axis=0))     # [B, Hkv, G*T, D]
-    keys_t = op.Transpose(op.Cast(key_cache, to=FLOAT.dtype), perm=[0, 1, 3, 2])       # [B, Hkv, D, C]
-    block_t = op.Transpose(op.Cast(k_new, to=FLOAT.dtype), perm=[0, 1, 3, 2])          # [B, Hkv, D, T]
+    keys_f = op.Cast(key_cache, to=FLOAT.dtype)                                        # [B, Hkv, C, D]
+    block_f = op.Cast(k_new, to=FLOAT.dtype)                                           # [B, Hkv, T, D]
+    int_max = op.Constant(value_ints=[9223372036854775807])
+    if op.Greater(op.Constant(value_int=rolling), zero_i):  # folded away by ORT: rolling is a constant
+        # Rolling positions (kernels/rolling.py): held entries numbered by position, the block's valid
+        # tokens after them; q, cached keys and block keys are rotated together, in one [B, Hkv, N, D].
+        held = op.GreaterOrEqual(pos_cache, zero_i)
+        empty = op.ReduceSum(op.Cast(op.Not(held), to=INT64.dtype), [2], keepdims=1)  # [B, Hkv, 1]
+        _, order = op.TopK(op.Cast(pos_cache, to=FLOAT.dtype), cap, axis=-1, largest=0, sorted=1)
+        ramp = op.Expand(op.Sub(op.Range(zero_i, op.Squeeze(cap, [0]), one_i), empty), op.Shape(pos_cache))
+        cache_rank = op.Max(op.ScatterElements(op.Mul(ramp, zero_i), order, ramp, axis=2), zero_i)  # [B,Hkv,C]
+        valid_rank = op.Max(op.Sub(op.CumSum(op.Cast(valid, to=INT64.dtype), one_i), one_i), zero_i)  # [B, T]
+        block_rank = op.Add(op.Sub(cap, empty), op.Unsqueeze(valid_rank, [1]))             # [B, Hkv, T]
+        group = op.Div(op.Shape(q, start=1, end=2), hkv)
+        rank = op.Concat(op.Tile(block_rank, op.Concat([1], [1], group, axis=0)), cache_rank, block_rank, axis=2)
+        x = op.Concat(qg, keys_f, block_f, axis=2)                                     # [B, Hkv, G*T+C+T, D]
+        width = op.Shape(rope_cos, start=-1)
+        flat = op.Unsqueeze(op.Reshape(rank, op.Concat(b, [-1], axis=0)), [2])          # [B, N, 1]
+        rows = op.Concat(b, [1], [1], axis=0)  # Expand broadcasts a table of B' = 1 rows to B
+        as_3d = op.Concat(op.Shape(rope_cos, start=0, end=1), [-1], width, axis=0)      # [B', S, R]
+        table_cos = op.Expand(op.Reshape(rope_cos, as_3d), rows)                          # [B, S, R]
+        table_sin = op.Expand(op.Reshape(rope_sin, as_3d), rows)
+        by_head = op.Concat(b, hkv, [-1], width, axis=0)
+        cos = op.Cast(op.Reshape(op.GatherND(table_cos, flat, batch_dims=1), by_head), to=FLOAT.dtype)
+        sin = op.Cast(op.Reshape(op.GatherND(table_sin, flat, batch_dims=1), by_head), to=FLOAT.dtype)
+        half = op.Div(width, op.Constant(value_ints=[2]))
+        part = op.Slice(x, [0], width, [3])
+        turned = op.Concat(op.Neg(op.Slice(part, half, width, [3])), op.Slice(part, [0], half, [3]), axis=3)
+        x = op.Concat(op.Add(op.Mul(part, cos), op.Mul(turned, sin)), op.Slice(x, width, int_max, [3]), axis=3)
+        gt = op.Shape(qg, start=2, end=3)
+        qg_seen = op.Slice(x, [0], gt, [2])
+        keys_seen = op.Slice(x, gt, op.Add(gt, cap), [2])
+        block_seen = op.Slice(x, op.Add(gt, cap), int_max, [2])
+    else:
+        qg_seen = op.Identity(qg)
+        keys_seen = op.Identity(keys_f)
+        block_seen = op.Identity(block_f)
+    qg = qg_seen
+    keys_t = op.Transpose(keys_seen, perm=[0, 1, 3, 2])                                 # [B, Hkv, D, C]
+    block_t = op.Transpose(block_seen, perm=[0, 1, 3, 2])                              # [B, Hkv, D, T]
     logits = op.Concat(op.MatMul(qg, keys_t), op.MatMul(qg, block_t), axis=-1)
     logits = op.Mul(logits, op.Constant(value_float=scale))                           # [B, Hkv, G*T, S]
     cap_c = op.Constant(value_float=softcap)
@@ -129,7 +175,6 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     probs = op.Mul(probs, op.Cast(visible, to=FLOAT.dtype))                            # [B, Hkv, G, T, S]
     mass = op.ReduceSum(probs, [2, 3], keepdims=0)                                     # [B, Hkv, S]
     probs = op.Reshape(probs, op.Concat(b, hkv, [-1], s, axis=0))                      # [B, Hkv, G*T, S]
-    int_max = op.Constant(value_ints=[9223372036854775807])
     out = op.Add(op.MatMul(op.Slice(probs, [0], cap, [3]), op.Cast(value_cache, to=FLOAT.dtype)),
                  op.MatMul(op.Slice(probs, cap, int_max, [3]), op.Cast(v_new, to=FLOAT.dtype)))
     out = op.CastLike(op.Reshape(out, op.Concat(b, [-1], t, dv, axis=0)), q)          # [B, Hq, T, Dv]
@@ -219,11 +264,11 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
 
 _INPUTS = (("q", "T"), ("k", "T"), ("v", "T"), ("positions", "tensor(int64)"), ("valid", "tensor(bool)"),
            ("key_cache", "TC"), ("value_cache", "TC"), ("score_cache", "tensor(float)"),
-           ("pos_cache", "tensor(int64)"), ("sink_logits", "TS"))
+           ("pos_cache", "tensor(int64)"), ("sink_logits", "TS"), ("rope_cos", "TR"), ("rope_sin", "TR"))
 _OUTPUTS = (("out", "T"), ("new_key_cache", "TC"), ("new_value_cache", "TC"),
             ("new_score_cache", "tensor(float)"), ("new_pos_cache", "tensor(int64)"))
 _ATTRIBUTES = (("scale", "FLOAT"), ("recent", "INT"), ("sinks", "INT"), ("policy", "INT"), ("seed", "INT"),
-               ("window", "INT"), ("softcap", "FLOAT"))
+               ("window", "INT"), ("softcap", "FLOAT"), ("rolling", "INT"))
 
 
 def _schema() -> onnx.defs.OpSchema:
@@ -237,7 +282,7 @@ def _schema() -> onnx.defs.OpSchema:
         inputs=[param(name, ty) for name, ty in _INPUTS],
         outputs=[param(name, ty) for name, ty in _OUTPUTS],
         type_constraints=[("T", floats, "attention dtype"), ("TC", floats, "cache dtype"),
-                          ("TS", floats, "sink logits dtype")],
+                          ("TS", floats, "sink logits dtype"), ("TR", floats, "rotary tables dtype")],
         attributes=[onnx.defs.OpSchema.Attribute(name, getattr(onnx.defs.OpSchema.AttrType, ty), "")
                     for name, ty in _ATTRIBUTES])
 

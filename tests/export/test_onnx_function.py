@@ -20,21 +20,23 @@ from h2o_compile.export.onnx_function import DOMAIN, FUNCTION_NAME, H2OAttention
 from h2o_compile.kernels import reference
 
 NAMES = ["q", "k", "v", "positions", "valid", "key_cache", "value_cache", "score_cache", "pos_cache",
-         "sink_logits"]
+         "sink_logits", "rope_cos", "rope_sin"]
 TYPES = [TensorProto.FLOAT] * 3 + [TensorProto.INT64, TensorProto.BOOL] + [TensorProto.FLOAT] * 3 + [
-    TensorProto.INT64, TensorProto.FLOAT]
-RANKS = [4, 4, 4, 2, 2, 4, 4, 3, 3, 1]
+    TensorProto.INT64] + [TensorProto.FLOAT] * 3
+RANKS = [4, 4, 4, 2, 2, 4, 4, 3, 3, 1, 3, 3]
+NO_ROPE = np.zeros((1, 1, 2), np.float32)  # the placeholder tables of a true-positions layer
 OUTS = ["out", "new_key", "new_value", "new_score", "new_position"]
 OUT_TYPES = [TensorProto.FLOAT] * 4 + [TensorProto.INT64]
 OUT_RANKS = [4, 4, 4, 3, 3]
 
 
-def one_node_model(*, scale, recent, sinks, policy, seed, window=0, softcap=0.0, sink_initializer=None):
+def one_node_model(*, scale, recent, sinks, policy, seed, window=0, softcap=0.0, sink_initializer=None,
+                   rolling=0):
     """The function as the only node. ``sink_initializer`` [Hq] makes the sink logits a constant of the model
     (as in an export) instead of an input."""
     node = helper.make_node(FUNCTION_NAME, NAMES, OUTS, domain=DOMAIN, scale=scale, recent=recent,
                             sinks=sinks, policy=reference.POLICY_CODES[policy], seed=seed, window=window,
-                            softcap=softcap)
+                            softcap=softcap, rolling=rolling)
 
     def infos(names, types, ranks):
         return [helper.make_tensor_value_info(n, ty, [f"{n}_{i}" for i in range(r)])
@@ -42,7 +44,7 @@ def one_node_model(*, scale, recent, sinks, policy, seed, window=0, softcap=0.0,
 
     inputs, initializers = infos(NAMES, TYPES, RANKS), []
     if sink_initializer is not None:
-        inputs = inputs[:-1]
+        inputs = [i for i in inputs if i.name != "sink_logits"]
         initializers = [onnx.numpy_helper.from_array(np.asarray(sink_initializer, np.float32), "sink_logits")]
     graph = helper.make_graph([node], "h2o", inputs, infos(OUTS, OUT_TYPES, OUT_RANKS), initializers)
     opsets = [helper.make_opsetid("", 18), helper.make_opsetid(DOMAIN, 1)]
@@ -52,16 +54,18 @@ def one_node_model(*, scale, recent, sinks, policy, seed, window=0, softcap=0.0,
 
 
 def run_sequence(policy, *, blocks, cap=6, recent=2, sinks=0, seed=5, b=2, hq=4, hkv=2, d=8, pos_offset=0,
-                 tied_scores=False, torch_seed=0, window=0, softcap=0.0, sink_logits=None, gap=0, session=None):
+                 tied_scores=False, torch_seed=0, window=0, softcap=0.0, sink_logits=None, gap=0, session=None,
+                 rope=None):
     """Feed ``blocks`` (token counts) through the reference and the ONNX function; compare every step.
 
     ``window``, ``softcap``, ``sink_logits`` [Hq]: the attention kind (None = no sinks, fed as all -inf).
     ``gap``: positions skipped after every block, so more than T keys can leave a window in one step.
     ``session``: run this one instead of the one-node model (inputs named as NAMES, sink logits optional).
+    ``rope``: rotary tables (kernels/rolling.RopeTables) for rolling positions, None = true positions.
     Returns (entries evicted, of which out of the window)."""
     if session is None:
         model = one_node_model(scale=0.3, recent=recent, sinks=sinks, policy=policy, seed=seed, window=window,
-                               softcap=softcap)
+                               softcap=softcap, rolling=int(rope is not None))
         session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     gen = torch.Generator().manual_seed(torch_seed)
     state = reference.empty_state(b, hkv, cap, d)
@@ -89,10 +93,11 @@ def run_sequence(policy, *, blocks, cap=6, recent=2, sinks=0, seed=5, b=2, hq=4,
             left_window += int(((state.pos_cache >= 0) & (state.pos_cache <= newest - window)).sum())
         out, state = reference.h2o_attention(q, k, v, positions, valid, state, scale=0.3, recent=recent,
                                              sinks=sinks, policy=policy, seed=seed, window=window,
-                                             softcap=softcap, sink_logits=sink_logits)
+                                             softcap=softcap, sink_logits=sink_logits, rope=rope)
         evictions += int(before + valid.sum() * hkv - (state.pos_cache >= 0).sum())
         feeds = [q, k, v, positions, valid]
-        feed = dict(zip(NAMES, [x.numpy() for x in feeds] + onnx_state + [onnx_sinks]))
+        tables = [NO_ROPE, NO_ROPE] if rope is None else [t.numpy() for t in rope]
+        feed = dict(zip(NAMES, [x.numpy() for x in feeds] + onnx_state + [onnx_sinks] + tables))
         got = session.run(None, {i.name: feed[i.name] for i in session.get_inputs()})
         onnx_state = got[1:]
         np.testing.assert_array_equal(got[4], state.pos_cache.numpy(), err_msg=f"positions, step {step}")
@@ -205,7 +210,7 @@ def test_exporter_translation_carries_the_attention_kind():
     dims = ({2: block},) * 3 + ({1: block},) * 2 + (None,) * 4
     with torch.no_grad(), _quiet_exporter():
         program = torch.onnx.export(
-            module, example, dynamo=True, dynamic_shapes=dims, input_names=NAMES[:-1], output_names=OUTS,
+            module, example, dynamo=True, dynamic_shapes=dims, input_names=NAMES[:9], output_names=OUTS,
             opset_version=18, optimize=False, verbose=False,
             custom_translation_table={torch.ops.h2o.attention.default: _h2o_translation})
     _attach_h2o_function(program, 18)
@@ -215,7 +220,7 @@ def test_exporter_translation_carries_the_attention_kind():
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     assert attributes["window"] == 4 and attributes["softcap"] == 2.5
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
-    assert [i.name for i in session.get_inputs()] == NAMES[:-1]  # the sinks are a constant of the model
+    assert [i.name for i in session.get_inputs()] == NAMES[:9]  # the sinks are a constant of the model
     _, left_window = run_sequence("h2o", blocks=BLOCKS, sinks=1, window=4, softcap=2.5, sink_logits=logits,
                                   session=session)
     assert left_window > 0
@@ -244,5 +249,21 @@ def test_function_is_standard_ops_only():
     proto = H2OAttention.to_function_proto()
     assert proto.domain == DOMAIN and proto.name == FUNCTION_NAME
     assert {n.domain for n in proto.node} == {""}
-    assert list(proto.attribute) == ["scale", "recent", "sinks", "policy", "seed", "window", "softcap"]
-    assert list(proto.input)[-1] == "sink_logits"
+    assert list(proto.attribute) == ["scale", "recent", "sinks", "policy", "seed", "window", "softcap", "rolling"]
+    assert list(proto.input) == NAMES
+
+
+@pytest.mark.parametrize("window", [0, 4])
+@pytest.mark.parametrize("rotary", [8, 4], ids=["full-rotary", "partial-rotary"])
+@pytest.mark.parametrize("policy", ["h2o", "sink"])
+def test_rolling_positions_equal_reference(policy, rotary, window):
+    """q, k and the cache unrotated, rotated by rank in the function; tables longer than C + T (as the graph
+    gives them) and, for partial rotary, narrower than the head."""
+    from h2o_compile.kernels.rolling import RopeTables
+
+    inv_freq = 1.0 / (30.0 ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary))
+    angles = torch.arange(6 + max(BLOCKS) + 2, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    both = torch.cat([angles, angles], dim=-1)[None]
+    rope = RopeTables(both.cos().float(), both.sin().float())
+    evictions, _ = run_sequence(policy, blocks=BLOCKS, sinks=2 if policy == "sink" else 0, window=window, rope=rope)
+    assert evictions > 0

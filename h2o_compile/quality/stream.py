@@ -1,0 +1,157 @@
+"""Streaming at constant memory: one long token stream through one fixed-capacity cache.
+
+The stream is fed in chunks (``H2OModel.step`` on a ``reset(1, capacity=C)`` cache, H2OConfig.prefill = the
+chunk), each chunk's logits scoring the next tokens (teacher forcing), so every prediction after the first C
+tokens is made from the compressed cache. Per window of the stream: perplexity, tokens/s and the process's
+resident memory. This is the paper's streaming experiment (and StreamingLLM's): a cache of C slots over a
+stream many times the model's trained positions, compared between policies and position schemes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import POLICIES, POSITIONS
+from ..runtime import optimize
+
+
+def resident_bytes() -> int:
+    """The process's resident set size now (Linux /proc; 0 where it is not available)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@dataclass
+class StreamWindow:
+    start: int                 # first scored position of the window in the stream
+    end: int                   # one past its last
+    perplexity: float
+    tokens_per_s: float        # fed tokens per second of wall time while scoring this window
+    rss_mib: float             # resident memory at the window's end
+
+
+@dataclass
+class StreamRun:
+    policy: str
+    positions: str
+    capacity: int
+    chunk: int
+    sink_tokens: int
+    tokens: int
+    kv_bytes: int              # the H2O state (keys, values, scores, positions) of the whole stream
+    perplexity: float          # over every scored token of the stream
+    windows: list[StreamWindow] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> dict:
+        """The figures the targets speak of: last window vs the first full one (the first window that starts
+        after the cache filled), RSS growth from 10% of the stream to the end, throughput at both ends."""
+        full = [w for w in self.windows if w.start >= self.capacity] or self.windows
+        tenth = next((w for w in self.windows if w.end >= self.tokens // 10), self.windows[0])
+        last = self.windows[-1]
+        return {
+            "first_full_window_ppl": full[0].perplexity, "last_window_ppl": last.perplexity,
+            "last_vs_first_full": last.perplexity / full[0].perplexity,
+            "rss_growth_from_10pct": (last.rss_mib - tenth.rss_mib) / tenth.rss_mib if tenth.rss_mib else None,
+            "tokens_per_s_first": full[0].tokens_per_s, "tokens_per_s_last": last.tokens_per_s,
+        }
+
+
+def _check(tokens: int, capacity: int, chunk: int, window_tokens: int, policy: str, positions: str) -> None:
+    for name, value in (("tokens", tokens), ("capacity", capacity), ("chunk", chunk),
+                        ("window_tokens", window_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if tokens < 2:
+        raise ValueError(f"tokens={tokens} must be >= 2 (each scored token needs the one before it)")
+    if policy not in POLICIES or policy == "full":
+        raise ValueError(f"policy={policy!r}; a stream needs an evicting policy: "
+                         f"{', '.join(p for p in POLICIES if p != 'full')}")
+    if positions not in POSITIONS:
+        raise ValueError(f"positions={positions!r}; allowed: {', '.join(POSITIONS)}")
+
+
+@torch.no_grad()
+def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: int = 64, policy: str = "h2o",
+                      positions: str = "rolling", sink_tokens: Optional[int] = None, window_tokens: int = 4096,
+                      progress: bool = True, desc: Optional[str] = None) -> StreamRun:
+    """Feed ``token_ids`` [N] as one stream through ``capacity`` slots; perplexity per window of the stream.
+
+    Args:
+        model: a transformers causal LM (optimize() is applied here, eager).
+        capacity: C slots per layer and KV head (sliding-window layers: their window, as H2OConfig says).
+        chunk: tokens per step (memory stays at C + chunk).
+        policy, positions, sink_tokens: as H2OConfig (sink_tokens None = the policy's default).
+        window_tokens: scored tokens per reported window.
+    Returns:
+        a StreamRun; windows cover positions 1..N-1 (position 0 has nothing to be predicted from).
+    """
+    tokens = int(token_ids.numel())
+    _check(tokens, capacity, chunk, window_tokens, policy, positions)
+    opt = optimize(model, budget=capacity, policy=policy, positions=positions, prefill=chunk,
+                   sink_tokens=sink_tokens, compile=False)
+    opt.reset(1, capacity=capacity)
+    ids = token_ids.reshape(1, -1).long()
+    run = StreamRun(policy, positions, capacity, chunk, opt.h2o_config.sink_tokens, tokens, opt.kv_cache_bytes(),
+                    float("nan"))
+    total_nll, window_nll, window_count, window_start = 0.0, 0.0, 0, 1
+    start_time = window_time = time.perf_counter()
+    bar = tqdm(total=tokens, unit="tok", desc=desc or f"{policy}/{positions}", disable=not progress,
+               mininterval=1.0)
+    for start in range(0, tokens - 1, chunk):
+        block = ids[:, start:min(start + chunk, tokens - 1)]                 # the last token only is a target
+        logits = opt.step(block)                                             # [1, c, V]
+        targets = ids[0, start + 1:start + 1 + block.shape[1]]
+        nll = torch.nn.functional.cross_entropy(logits[0].float(), targets, reduction="none").double()  # [c]
+        offset = 0
+        while offset < nll.numel():  # a chunk may close a window part-way
+            take = min(nll.numel() - offset, window_tokens - window_count)
+            window_nll += float(nll[offset:offset + take].sum())
+            window_count += take
+            offset += take
+            end = start + 1 + offset
+            if window_count == window_tokens or end == tokens:
+                now = time.perf_counter()
+                run.windows.append(StreamWindow(window_start, end, math.exp(window_nll / window_count),
+                                                window_count / (now - window_time), resident_bytes() / 2**20))
+                total_nll += window_nll
+                window_nll, window_count, window_start, window_time = 0.0, 0, end, now
+        bar.update(block.shape[1])
+        if run.windows:
+            elapsed = time.perf_counter() - start_time
+            bar.set_postfix(tok_s=f"{(start + block.shape[1]) / elapsed:.0f}", rss=f"{resident_bytes() / 2**20:.0f}MiB",
+                            ppl=f"{run.windows[-1].perplexity:.2f}", refresh=False)
+    bar.update(1)  # the last token, scored but never fed
+    bar.close()
+    run.seconds = time.perf_counter() - start_time
+    run.perplexity = math.exp(total_nll / (tokens - 1))
+    return run
+
+
+def stream_runs(model, token_ids: torch.Tensor, *, capacity: int, chunk: int, policies: Sequence[str],
+                positions: Sequence[str], sink_tokens: Optional[int] = None, window_tokens: int = 4096,
+                progress: bool = True, on_run=None) -> list[StreamRun]:
+    """Every (policy, positions) pair over the same stream; ``on_run(runs so far)`` after each one."""
+    runs = []
+    for policy in policies:
+        for scheme in positions:
+            runs.append(stream_perplexity(model, token_ids, capacity=capacity, chunk=chunk, policy=policy,
+                                          positions=scheme, sink_tokens=sink_tokens, window_tokens=window_tokens,
+                                          progress=progress))
+            if on_run is not None:
+                on_run(runs)
+    return runs
+
+
+def run_dict(run: StreamRun) -> dict:
+    return {**asdict(run), "summary": run.summary()}

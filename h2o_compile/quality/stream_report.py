@@ -1,0 +1,76 @@
+"""Stream runs -> stream.json, stream.md and stream.png (perplexity per window and RSS along the stream)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from ..reporting import command_line, machine_description, markdown_table, write_json
+from .stream import StreamRun, run_dict
+
+
+def _label(run: StreamRun) -> str:
+    return f"{run.policy} ({run.positions} positions)"
+
+
+def write_stream_report(runs: Sequence[StreamRun], out_dir, *, model_name: str, text_names: Sequence[str],
+                        max_positions, elapsed_s: float) -> dict:
+    """Writes the three files under ``out_dir``; returns their paths."""
+    out = Path(out_dir)
+    paths = {"json": out / "stream.json", "markdown": out / "stream.md", "plot": out / "stream.png"}
+    header = {"command": command_line(), "machine": machine_description(), "model": model_name,
+              "texts": list(text_names), "max_position_embeddings": max_positions, "elapsed_s": round(elapsed_s, 1)}
+    write_json(paths["json"], {**header, "runs": [run_dict(r) for r in runs]})
+
+    rows = []
+    for run in runs:
+        s = run.summary()
+        growth = s["rss_growth_from_10pct"]
+        rows.append((_label(run), run.sink_tokens, f"{run.perplexity:.3f}", f"{s['first_full_window_ppl']:.3f}",
+                     f"{s['last_window_ppl']:.3f}", f"{s['last_vs_first_full']:.3f}",
+                     "-" if growth is None else f"{growth:+.2%}", f"{s['tokens_per_s_first']:.0f}",
+                     f"{s['tokens_per_s_last']:.0f}", f"{run.kv_bytes / 2**20:.2f}", f"{run.seconds:.0f}"))
+    table = markdown_table(["run", "sinks", "stream ppl", "first full window ppl", "last window ppl", "last / first",
+                            "RSS growth (10% -> end)", "tok/s first", "tok/s last", "KV MiB", "wall s"], rows)
+    first = runs[0]
+    positions_note = (f" The model was trained on {max_positions} positions: the stream is "
+                      f"{first.tokens / max_positions:.0f}x that.") if max_positions else ""
+    paths["markdown"].write_text(
+        f"# Streaming at constant memory: {model_name}\n\n"
+        f"Command: `{header['command']}`  \nMachine: {header['machine']}  \nTexts: {', '.join(text_names)} "
+        f"(concatenated, one stream)  \nWall time: {elapsed_s:.0f} s\n\n"
+        f"{first.tokens:,} tokens fed in chunks of {first.chunk} through one cache of {first.capacity} slots per "
+        f"layer and KV head (memory: C + one chunk), each chunk's logits scoring the next tokens.{positions_note} "
+        f"Windows of {first.windows[0].end - first.windows[0].start:,} scored tokens; the first full window is "
+        "the first one that starts after the cache filled. RSS: the process's resident memory at the end of each "
+        "window. Rolling positions number the cached keys 0..n-1 by age at every step; true positions rotate "
+        "them at their place in the stream.\n\n"
+        f"{table}\n\n![perplexity and memory along the stream]({paths['plot'].name})\n")
+    _plot(paths["plot"], runs, model_name)
+    return paths
+
+
+def _plot(path: Path, runs: Sequence[StreamRun], model_name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ppl_ax, rss_ax) = plt.subplots(2, 1, figsize=(7.0, 6.4), dpi=120, sharex=True,
+                                         gridspec_kw={"height_ratios": [2, 1]})
+    for run in runs:
+        xs = [w.end for w in run.windows]
+        ppl_ax.plot(xs, [w.perplexity for w in run.windows], label=_label(run), linewidth=1.2)
+        rss_ax.plot(xs, [w.rss_mib for w in run.windows], label=_label(run), linewidth=1.2)
+    ppl_ax.set_yscale("log")
+    ppl_ax.set_ylabel("perplexity per window")
+    ppl_ax.set_title(f"Streaming with {runs[0].capacity} cache slots ({model_name})")
+    ppl_ax.grid(alpha=0.3, which="both")
+    ppl_ax.legend()
+    rss_ax.set_xlabel("position in the stream (tokens)")
+    rss_ax.set_ylabel("RSS (MiB)")
+    rss_ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
