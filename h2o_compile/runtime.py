@@ -305,8 +305,10 @@ class H2OModel(nn.Module):
             return
         chunk = t if self.h2o_config.prefill == "full" else min(t, self.h2o_config.prefill)
         if self.h2o_config.positions == "rolling":
-            if max(self.layer_capacities) + chunk > known:
-                raise ValueError(f"rolling positions reach C + block = {max(self.layer_capacities)} + {chunk}, "
+            # The last block of this call sees at most min(C, what came before it) held keys, then itself.
+            held = min(max(self.layer_capacities), self._fed + t - chunk)
+            if held + chunk > known:
+                raise ValueError(f"rolling positions reach {held} held keys + a block of {chunk} = {held + chunk}, "
                                  f"beyond the model's max_position_embeddings={known}: use fewer slots or a "
                                  "smaller block (prefill=c)")
         elif self._fed + t > known:

@@ -114,9 +114,11 @@ def test_a_rolling_stream_runs_far_past_the_models_positions_at_constant_memory(
         assert torch.isfinite(logits).all()
     assert [tuple(t.shape) for t in opt.state()] == shapes
     assert opt.kept_positions(0).max().item() == 1999
-    with pytest.raises(ValueError, match="rolling positions reach C \\+ block = 24 \\+ 120"):
-        h2o_compile.optimize(model, budget=24, positions="rolling", compile=False).generate(
-            ids[:, :120], max_new_tokens=1)
+    with pytest.raises(ValueError, match="rolling positions reach 24 held keys \\+ a block of 120 = 144"):
+        whole = h2o_compile.optimize(model, budget=24, positions="rolling", compile=False)  # prefill "full"
+        whole.reset(1, capacity=24)
+        whole.step(ids[:, :30])
+        whole.step(ids[:, :120])  # one block of 120 after 24 held keys: distances up to 143
 
 
 def test_true_positions_past_the_models_positions_warn_on_rotary_models_and_fail_on_learned_ones():
