@@ -126,8 +126,10 @@ class H2OModel(nn.Module):
 
         ``reset(B, max_seq_len)``: C = capacity(max_seq_len) slots for a sequence of at most that many tokens.
         ``reset(B, capacity=C)``: a stream with no end: C slots (sliding-window layers: their window, or
-        min(C, W) with compress_sliding) whatever the length fed; memory stays at C plus one block. The
-        stream may run up to the model's max_position_embeddings (positions are true text positions).
+        min(C, W) with compress_sliding) whatever the length fed; memory stays at C plus one block. With
+        ``positions="rolling"`` the stream may run forever (distances stay below C + block); with true
+        positions a rotary model warns when the stream passes max_position_embeddings, a model with learned
+        positions stops there (ValueError).
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")

@@ -3,7 +3,7 @@
 Every backend (the Triton kernels, the ONNX function, the compiled CPU graph) must compute what this file
 computes; ../DESIGN.md section 2 states it in words. The state of one layer is static-shape:
 
-    key_cache   [B, Hkv, C, D]   keys after RoPE, model dtype
+    key_cache   [B, Hkv, C, D]   keys after RoPE (before it with rolling positions), model dtype
     value_cache [B, Hkv, C, Dv]
     score_cache [B, Hkv, C]      accumulated attention A[p], fp32
     pos_cache   [B, Hkv, C]      int64 token position held by the slot, -1 = empty
@@ -23,6 +23,9 @@ Per-layer attention kinds (DESIGN.md section 2), constants of a layer, each off 
     softcap c > 0    logit soft-capping: logits = c * tanh(q . k * scale / c), then the softmax.
     sink_logits      [Hq] learned attention-sink logits: one extra logit per query head in the softmax
                      denominator; its share of the probability is dropped, so no key's score gets it.
+
+Rolling positions (``rope`` tables given, kernels/rolling.py): q, k and the cache are unrotated; the attention
+rotates them by rank in the cache, everything else (scores, eviction, windows) is unchanged.
 """
 
 from __future__ import annotations
