@@ -318,7 +318,8 @@ class H2OModel(nn.Module):
                 raise ValueError(f"the stream reaches {self._fed + t} tokens, beyond the model's "
                                  f"max_position_embeddings={known} (keys keep their true positions; "
                                  + ("positions='rolling' keeps them inside)" if self.limits.rotary else
-                                    "the model's positions are learned and end there)"))
+                                    "the graph shows no rotary embedding, so the model's positions are taken "
+                                    "to end there)"))
             if not self._warned_positions:
                 self._warned_positions = True
                 warnings.warn(f"the stream passes the model's max_position_embeddings={known} with true "

@@ -48,7 +48,7 @@ from ..support import check_sequence_fits, check_supported
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "h2o_config.json"
 FORMAT = "h2o_compile.onnx"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the H2OAttention function takes rotary tables (rolling positions)
 SUPPORTED_OPSETS = range(18, 24)  # the function body is written with opset 18 ops, unchanged up to 23
 STATE_FIELDS = ("key", "value", "score", "position")  # per layer, in graph order
 _DTYPES = {torch.float32: "float32", torch.float16: "float16"}
@@ -147,14 +147,22 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 1 (prompt + new tokens)")
     capacity = config.capacity(max_seq_len)
     recent = config.recent_window(capacity)
-    if config.positions == "true":  # rolling positions stay below C + T whatever the sequence length
-        check_sequence_fits(check_supported(hf_model), max_seq_len)  # from the config, before the slow capture
+    limits = check_supported(hf_model)  # from the config, before the slow capture
+    if config.positions == "true":
+        check_sequence_fits(limits, max_seq_len)
+    elif limits.max_positions is not None:  # rolling: the last block sees at most C held keys, then itself
+        block = max_seq_len if config.prefill == "full" else min(config.prefill, max_seq_len)
+        need = min(max(p[0] for p in _plan(config, limits, max_seq_len)), max_seq_len - block) + block
+        if need > limits.max_positions:
+            raise ValueError(f"positions='rolling' with max_seq_len={max_seq_len} and prefill={config.prefill!r} "
+                             f"reaches rolling position {need}, beyond max_position_embeddings="
+                             f"{limits.max_positions}: export with prefill=c (chunks) or fewer slots")
 
     graph, layers, _ = build_graph(hf_model, functional=True, positions=config.positions)
     dtype = layers[0].dtype
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype} is not supported by the ONNX export; use float32 or float16")
-    plan = [config.layer_params(max_seq_len, spec.window) for spec in layers]  # (slots, recent, sinks)
+    plan = _plan(config, limits, max_seq_len)  # (slots, recent, sinks) per layer
     set_h2o_params(graph, recent=[p[1] for p in plan], sinks=[p[2] for p in plan], policy=config.policy,
                    seed=config.seed)
 
@@ -180,6 +188,11 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     (out_dir / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     _save_companions(hf_model, out_dir, tokenizer)
     return out_dir
+
+
+def _plan(config: H2OConfig, limits, max_seq_len: int) -> list[tuple[int, int, int]]:
+    """(slots, recent, sinks) of every layer for sequences of ``max_seq_len`` tokens."""
+    return [config.layer_params(max_seq_len, window) for window in limits.windows]
 
 
 def _export_program(graph, layers, capacities: list[int], max_seq_len: int, batch_size: int | None, opset: int):

@@ -80,7 +80,9 @@ def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Op
                                            score_cache, pos_cache, scale, recent, sinks, policy, seed, split_size,
                                            window, softcap, sink_logits)
         written = (pos_cache == positions[:, None, :]) & valid[:, None, :]                 # [B, Hkv, C]
-        key_cache.copy_(torch.where(written[..., None], k.to(key_cache.dtype), key_cache))
+        slot = written.to(torch.int8).argmax(-1, keepdim=True)[..., None].expand(-1, -1, 1, k.shape[-1])
+        old = key_cache.gather(2, slot)                                                   # [B, Hkv, 1, D]
+        key_cache.scatter_(2, slot, torch.where(written.any(-1)[..., None, None], k.to(key_cache.dtype), old))
         return out
     cap = pos_cache.shape[-1]
     new_pos = torch.where(valid, positions, torch.full_like(positions, -1))           # [B, T]

@@ -6,8 +6,8 @@ rotary embedding from ``position_ids``; or its chunked form ``cat([x1 * cos - x2
 with half-width tables (GPT-OSS), the same rotation.
 After:  ``h2o.attention_(q, k, ..., rope_cos, rope_sin)``: the op caches unrotated keys and rotates q and k at
 attention time by their rank in the cache (kernels/rolling.py). The tables are the model's own rotary
-subgraph evaluated at positions 0..S-1 with S = (largest cache among the layers sharing the table) + T, so
-the model's base, scaling and per-layer bases (Gemma 3's local and global) carry over unchanged.
+subgraph, copied once, evaluated at positions 0..S-1 with S = (largest cache of any layer) + T, so the
+model's base, scaling and per-layer bases (Gemma 3's local and global) carry over unchanged.
 
 A model without that pattern (learned absolute positions, ALiBi, interleaved rotary) cannot move its
 positions: :func:`find_rotary` names the layer and what it found instead.
@@ -118,8 +118,9 @@ def _chunked_rotary(node) -> Optional[Rotary]:
     x1, x2 = (next((u for u in chunk.users if u.target is operator.getitem and u.args[1] == i), None)
               for i in (0, 1))
     cos, sin = _mul_pair(first.args[0], x1), _mul_pair(first.args[1], x2)
-    second_terms = {_mul_pair(term, x) for term in second.args[:2] for x in (x1, x2)} - {None}
-    if cos is None or sin is None or second_terms != {cos, sin}:
+    a, b = second.args[:2]
+    rotated = any(_mul_pair(u, x2) is cos and _mul_pair(w, x1) is sin for u, w in ((a, b), (b, a)))
+    if cos is None or sin is None or not rotated:  # the second half must be x2 * cos + x1 * sin
         return None
     return Rotary(chunk.args[0], cos, sin, half=True)
 
@@ -175,18 +176,18 @@ def move_rotary_into_ops(gm: GraphModule) -> int:
     if any(len(op.args) != _OP_ARGS for op in ops):
         raise ValueError("the h2o ops already take rotary tables (the graph was rewritten before)")
     position_ids = [n for n in graph.nodes if n.op == "placeholder"][1]
-    by_table: dict[tuple[Node, Node], list[Node]] = {}
-    for op, (q, _) in zip(ops, pairs):
-        by_table.setdefault((q.cos, q.sin), []).append(op)
-    for (cos, sin), users in by_table.items():
-        with graph.inserting_before(users[0]):
-            positions = _table_positions(graph, position_ids, users)
-            env = _copy_from(graph, [cos, sin], position_ids, positions)
-            tables = [env[cos], env[sin]]
-            if pairs[ops.index(users[0])][0].half:  # the op's tables repeat each frequency (rotate-half layout)
-                tables = [graph.call_function(aten.cat.default, ([t, t], -1)) for t in tables]
-        for op in users:
-            q, k = pairs[ops.index(op)]
+    wanted = list(dict.fromkeys(n for q, _ in pairs for n in (q.cos, q.sin)))
+    with graph.inserting_before(ops[0]):
+        # One copy of the rotary subgraph for the whole model: HF multiplies a per-layer unsqueeze of one
+        # cos/sin per rotary embedding, and the copy shares everything up to those unsqueezes.
+        env = _copy_from(graph, wanted, position_ids, _table_positions(graph, position_ids, ops))
+        half_tables = {}
+        for op, (q, k) in zip(ops, pairs):
+            tables = [env[q.cos], env[q.sin]]
+            if q.half:  # the op's tables repeat each frequency (rotate-half layout)
+                if (q.cos, q.sin) not in half_tables:
+                    half_tables[q.cos, q.sin] = [graph.call_function(aten.cat.default, ([t, t], -1)) for t in tables]
+                tables = half_tables[q.cos, q.sin]
             op.args = (q.source, k.source, *op.args[2:], *tables)
     graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output") or n.target is _INPLACE)
     graph.lint()
@@ -195,7 +196,7 @@ def move_rotary_into_ops(gm: GraphModule) -> int:
 
 
 def _table_positions(graph: torch.fx.Graph, position_ids: Node, users: list[Node]) -> Node:
-    """``arange(S)`` expanded to [B, S]: S = the largest cache among ``users`` + the block's T."""
+    """``arange(S)`` expanded to [B, S]: S = the largest cache among ``users`` (every layer) + the block's T."""
     size = graph.call_function(aten.sym_size.int, (users[0].args[_POS_CACHE], 2))
     for op in users[1:]:
         size = graph.call_function(torch.sym_max, (size, graph.call_function(aten.sym_size.int,

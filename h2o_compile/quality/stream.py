@@ -55,15 +55,16 @@ class StreamRun:
 
     def summary(self) -> dict:
         """The figures the targets speak of: last window vs the first full one (the first window that starts
-        after the cache filled), RSS growth from 10% of the stream to the end, throughput at both ends."""
-        full = [w for w in self.windows if w.start >= self.capacity] or self.windows
+        after eviction began, i.e. after position C; None when no window does), RSS growth from 10% of the
+        stream to the end, throughput at both ends."""
+        full = next((w for w in self.windows if w.start > self.capacity), None)
         tenth = next((w for w in self.windows if w.end >= self.tokens // 10), self.windows[0])
         last = self.windows[-1]
         return {
-            "first_full_window_ppl": full[0].perplexity, "last_window_ppl": last.perplexity,
-            "last_vs_first_full": last.perplexity / full[0].perplexity,
+            "first_full_window_ppl": full and full.perplexity, "last_window_ppl": last.perplexity,
+            "last_vs_first_full": full and last.perplexity / full.perplexity,
             "rss_growth_from_10pct": (last.rss_mib - tenth.rss_mib) / tenth.rss_mib if tenth.rss_mib else None,
-            "tokens_per_s_first": full[0].tokens_per_s, "tokens_per_s_last": last.tokens_per_s,
+            "tokens_per_s_first": (full or self.windows[0]).tokens_per_s, "tokens_per_s_last": last.tokens_per_s,
         }
 
 

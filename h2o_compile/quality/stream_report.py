@@ -26,8 +26,10 @@ def write_stream_report(runs: Sequence[StreamRun], out_dir, *, model_name: str, 
     for run in runs:
         s = run.summary()
         growth = s["rss_growth_from_10pct"]
-        rows.append((_label(run), run.sink_tokens, f"{run.perplexity:.3f}", f"{s['first_full_window_ppl']:.3f}",
-                     f"{s['last_window_ppl']:.3f}", f"{s['last_vs_first_full']:.3f}",
+        first_full = "-" if s["first_full_window_ppl"] is None else f"{s['first_full_window_ppl']:.3f}"
+        ratio = "-" if s["last_vs_first_full"] is None else f"{s['last_vs_first_full']:.3f}"
+        rows.append((_label(run), run.sink_tokens, f"{run.perplexity:.3f}", first_full,
+                     f"{s['last_window_ppl']:.3f}", ratio,
                      "-" if growth is None else f"{growth:+.2%}", f"{s['tokens_per_s_first']:.0f}",
                      f"{s['tokens_per_s_last']:.0f}", f"{run.kv_bytes / 2**20:.2f}", f"{run.seconds:.0f}"))
     table = markdown_table(["run", "sinks", "stream ppl", "first full window ppl", "last window ppl", "last / first",
@@ -42,7 +44,7 @@ def write_stream_report(runs: Sequence[StreamRun], out_dir, *, model_name: str, 
         f"{first.tokens:,} tokens fed in chunks of {first.chunk} through one cache of {first.capacity} slots per "
         f"layer and KV head (memory: C + one chunk), each chunk's logits scoring the next tokens.{positions_note} "
         f"Windows of {first.windows[0].end - first.windows[0].start:,} scored tokens; the first full window is "
-        "the first one that starts after the cache filled. RSS: the process's resident memory at the end of each "
+        "the first one that starts after eviction began (position > C). RSS: the process's resident memory at the end of each "
         "window. Rolling positions number the cached keys 0..n-1 by age at every step; true positions rotate "
         "them at their place in the stream.\n\n"
         f"{table}\n\n![perplexity and memory along the stream]({paths['plot'].name})\n")

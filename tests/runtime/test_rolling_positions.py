@@ -136,8 +136,16 @@ def test_true_positions_past_the_models_positions_warn_on_rotary_models_and_fail
     gpt2.reset(1, capacity=16)
     for _ in range(16):
         gpt2.step(ids)
-    with pytest.raises(ValueError, match="positions are learned"):
+    with pytest.raises(ValueError, match="shows no rotary embedding"):
         gpt2.step(ids)
+
+
+@pytest.mark.parametrize("name,tables", [("llama", 1), ("gpt_oss", 1), ("gemma3", 2)])
+def test_the_rotary_tables_are_computed_once_per_rotary_embedding(name, tables):
+    """One copy of the model's rotary subgraph serves every layer (Gemma 3: a local and a global base)."""
+    opt = h2o_compile.optimize(build(name), budget=8, positions="rolling", compile=False)
+    cosines = [n for n in opt.graph.graph.nodes if n.target is torch.ops.aten.cos.default]
+    assert len(cosines) == tables
 
 
 @pytest.mark.parametrize("name", ["gpt2", "opt"])
