@@ -163,6 +163,7 @@ class H2OModel(nn.Module):
                     torch._dynamo.mark_static_address(tensor)  # CUDA graphs replay on fixed addresses
         self.seen = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.capacity, self.max_seq_len, self._fed = cap, max_seq_len, 0
+        self._warned_positions = False  # once per stream
         self.layer_capacities = [slots for slots, _, _ in plan]
 
     def state(self) -> list[Tensor]:
@@ -279,10 +280,11 @@ class H2OModel(nn.Module):
             raise ValueError(f"logits_to_keep={logits_to_keep!r}; allowed: 0 (every position) or 1 (the last)")
         state = self.state()
         limit = torch.iinfo(torch.int64).max if self.max_seq_len is None else self.max_seq_len
+        if isinstance(input_ids, Tensor) and input_ids.dim() == 2:  # before place_block advances self.seen
+            self._check_positions(input_ids.shape[1])
         input_ids, valid, positions = generation.place_block(self.seen, self._fed, limit, input_ids,
                                                              attention_mask, self.device, self.vocab_size)
         t = input_ids.shape[1]
-        self._check_positions(t)
         self._fed += t
         if t == 1:
             return self._decode_fn()(input_ids, positions, valid, *state)

@@ -148,11 +148,12 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     capacity = config.capacity(max_seq_len)
     recent = config.recent_window(capacity)
     limits = check_supported(hf_model)  # from the config, before the slow capture
+    plan = _plan(config, limits, max_seq_len)  # (slots, recent, sinks) per layer
     if config.positions == "true":
         check_sequence_fits(limits, max_seq_len)
     elif limits.max_positions is not None:  # rolling: the last block sees at most C held keys, then itself
         block = max_seq_len if config.prefill == "full" else min(config.prefill, max_seq_len)
-        need = min(max(p[0] for p in _plan(config, limits, max_seq_len)), max_seq_len - block) + block
+        need = min(max(p[0] for p in plan), max_seq_len - block) + block
         if need > limits.max_positions:
             raise ValueError(f"positions='rolling' with max_seq_len={max_seq_len} and prefill={config.prefill!r} "
                              f"reaches rolling position {need}, beyond max_position_embeddings="
@@ -162,7 +163,6 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     dtype = layers[0].dtype
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype} is not supported by the ONNX export; use float32 or float16")
-    plan = _plan(config, limits, max_seq_len)  # (slots, recent, sinks) per layer
     set_h2o_params(graph, recent=[p[1] for p in plan], sinks=[p[2] for p in plan], policy=config.policy,
                    seed=config.seed)
 

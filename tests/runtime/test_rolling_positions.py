@@ -119,6 +119,7 @@ def test_a_rolling_stream_runs_far_past_the_models_positions_at_constant_memory(
         whole.reset(1, capacity=24)
         whole.step(ids[:, :30])
         whole.step(ids[:, :120])  # one block of 120 after 24 held keys: distances up to 143
+    assert whole.seen.tolist() == [30]  # the refused block left the stream where it was
 
 
 def test_true_positions_past_the_models_positions_warn_on_rotary_models_and_fail_on_learned_ones():
