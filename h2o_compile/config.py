@@ -123,13 +123,17 @@ class H2OConfig:
         else:
             cap = self.capacity(total_len)
         if window <= 0:
-            return cap, self.recent_window(cap), self.sink_tokens
+            return cap, self.recent_window(cap), self.layer_sinks(window)
         if not self.compress_sliding:
             slots = min(window, total_len)
-            return slots, slots, 0
+            return slots, slots, self.layer_sinks(window)
         slots = min(cap, window)
         self._check_split(slots)
-        return slots, self.recent_window(slots), self.sink_tokens
+        return slots, self.recent_window(slots), self.layer_sinks(window)
+
+    def layer_sinks(self, window: int) -> int:
+        """Sink tokens of a layer: none on a sliding-window layer that keeps its window (it never chooses)."""
+        return 0 if window > 0 and not self.compress_sliding else self.sink_tokens
 
     def _check_split(self, capacity: int) -> None:
         recent = self.recent_window(capacity)

@@ -17,7 +17,8 @@ from .kernels.reference import empty_state
 from .ops import backend_for
 from .passes import (LayerSpec, find_attention_sites, find_rotary, fuse_decode_bookkeeping, last_position_logits,
                      move_rotary_into_ops, rewrite_attention, runtime_recent_graph, set_h2o_params, state_names)
-from .support import ModelLimits, UnsupportedModelError, check_sequence_fits, check_supported, text_config
+from .support import (ModelLimits, UnsupportedModelError, check_rolling_fits, check_sequence_fits, check_supported,
+                      text_config)
 
 _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
@@ -101,10 +102,12 @@ class H2OModel(nn.Module):
         self.max_seq_len: Optional[int] = None
         self._fed = 0
         self._warned_positions = False
-        self._fixed = None   # sinks per layer, policy, seed: constants of the graph
+        # Sinks per layer, policy and seed are the same for every request: constants of the graph, set once.
+        set_h2o_params(self.graph, sinks=[config.layer_sinks(spec.window) for spec in layers],
+                       policy=config.policy, seed=config.seed)
         self._recent = []    # the recent window per layer, an input of every call
-        self._compiled = {}
-        self._last_logits_graph = None  # built on demand from the graph with the current H2O params
+        self._compiled_step = None      # built on the first compiled decode step
+        self._last_logits_graph = None  # built on demand from the graph
         self.register_buffer("seen", torch.zeros(0, dtype=torch.long), persistent=False)
 
     # -- state ---------------------------------------------------------------------------------------------
@@ -147,14 +150,9 @@ class H2OModel(nn.Module):
                 check_sequence_fits(self.limits, max_seq_len)
             cap = cfg.capacity(max_seq_len)
             plan = [cfg.layer_params(max_seq_len, spec.window) for spec in self.layers]  # (slots, recent, sinks)
-        fixed = dict(sinks=[p[2] for p in plan], policy=cfg.policy, seed=cfg.seed)
-        if fixed != self._fixed:  # the same for every request of a model: set once
-            set_h2o_params(self.graph, **fixed)
-            self._fixed = fixed
-            self._last_logits_graph = None
         self._recent = [p[1] for p in plan]
         device = self.device
-        for i, (spec, (slots, _, _)) in enumerate(zip(self.layers, plan)):
+        for i, (spec, (slots, _, _)) in enumerate(zip(self.layers, plan)):  # plan: (slots, recent, sinks)
             state = empty_state(batch_size, spec.kv_heads, slots, spec.head_dim, value_dim=spec.value_dim,
                                 dtype=spec.dtype, device=device)
             for name, tensor in zip(state_names(i), state):
@@ -225,15 +223,14 @@ class H2OModel(nn.Module):
         mode = self.resolved_compile_mode()
         if mode is None:
             return self._run_graph
-        key = (tuple(self._fixed["sinks"]), self._fixed["policy"], self._fixed["seed"])
-        if key not in self._compiled:
+        if self._compiled_step is None:
             # On CPU, let Inductor fuse the eviction bookkeeping with the rest of the step (the Triton decode
             # kernel already fuses it on GPU). Compile the GraphModule itself, not a method of this class:
             # dynamo counts recompiles per code object, and every graph has its own generated forward, so
             # many H2OModels in one process (an eval sweep) never share one recompile limit.
             graph = fuse_decode_bookkeeping(self.graph) if backend_for(self.device) == "reference" else self.graph
-            self._compiled[key] = compile_step(graph, mode, self.device, dynamic=True)
-        compiled, recent = self._compiled[key], self._recent
+            self._compiled_step = compile_step(graph, mode, self.device, dynamic=True)
+        compiled, recent = self._compiled_step, self._recent
         return lambda *inputs: compiled(*inputs, *recent)
 
     @torch.no_grad()
@@ -308,13 +305,8 @@ class H2OModel(nn.Module):
         if known is None:
             return
         chunk = t if self.h2o_config.prefill == "full" else min(t, self.h2o_config.prefill)
-        if self.h2o_config.positions == "rolling":
-            # The last block of this call sees at most min(C, what came before it) held keys, then itself.
-            held = min(max(self.layer_capacities), self._fed + t - chunk)
-            if held + chunk > known:
-                raise ValueError(f"rolling positions reach {held} held keys + a block of {chunk} = {held + chunk}, "
-                                 f"beyond the model's max_position_embeddings={known}: use fewer slots or a "
-                                 "smaller block (prefill=c)")
+        if self.h2o_config.positions == "rolling":  # the last block of this call decides
+            check_rolling_fits(self.limits, max(self.layer_capacities), self._fed + t - chunk, chunk)
         elif self._fed + t > known:
             if self.max_seq_len is not None or not self.limits.rotary:
                 raise ValueError(f"the stream reaches {self._fed + t} tokens, beyond the model's "

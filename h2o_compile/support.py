@@ -96,3 +96,13 @@ def check_sequence_fits(limits: ModelLimits, max_seq_len: int) -> None:
     if limits.max_positions is not None and max_seq_len > limits.max_positions:
         raise ValueError(f"sequence of {max_seq_len} tokens (prompt + max_new_tokens) exceeds the model's "
                          f"max_position_embeddings={limits.max_positions}")
+
+
+def check_rolling_fits(limits: ModelLimits, max_slots: int, before: int, block: int) -> None:
+    """With rolling positions a block of ``block`` tokens after ``before`` others sees at most
+    min(max_slots, before) held keys, then itself: its largest rotary position must be one the model knows."""
+    held = min(max_slots, before)
+    if limits.max_positions is not None and held + block > limits.max_positions:
+        raise ValueError(f"rolling positions reach {held} held keys + a block of {block} = {held + block}, beyond "
+                         f"the model's max_position_embeddings={limits.max_positions}: use fewer slots or a "
+                         "smaller block (prefill=c)")

@@ -43,7 +43,7 @@ from torch import nn
 from ..config import H2OConfig
 from ..kernels.reference import POLICY_CODES, empty_state
 from ..passes import set_h2o_params
-from ..support import check_sequence_fits, check_supported
+from ..support import check_rolling_fits, check_sequence_fits, check_supported
 
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "h2o_config.json"
@@ -151,13 +151,9 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     plan = _plan(config, limits, max_seq_len)  # (slots, recent, sinks) per layer
     if config.positions == "true":
         check_sequence_fits(limits, max_seq_len)
-    elif limits.max_positions is not None:  # rolling: the last block sees at most C held keys, then itself
+    else:  # rolling: the last block of the sequence decides
         block = max_seq_len if config.prefill == "full" else min(config.prefill, max_seq_len)
-        need = min(max(p[0] for p in plan), max_seq_len - block) + block
-        if need > limits.max_positions:
-            raise ValueError(f"positions='rolling' with max_seq_len={max_seq_len} and prefill={config.prefill!r} "
-                             f"reaches rolling position {need}, beyond max_position_embeddings="
-                             f"{limits.max_positions}: export with prefill=c (chunks) or fewer slots")
+        check_rolling_fits(limits, max(p[0] for p in plan), max_seq_len - block, block)
 
     graph, layers, _ = build_graph(hf_model, functional=True, positions=config.positions)
     dtype = layers[0].dtype

@@ -124,14 +124,18 @@ def set_h2o_params(gm: GraphModule, *, recent=None, sinks, policy: str, seed: in
     return changed
 
 
-def _copy(gm: GraphModule) -> tuple[torch.fx.Graph, list[torch.fx.Node]]:
+def copy_graph_module(gm: GraphModule) -> GraphModule:
+    """A copy of ``gm`` with its own graph and the same weights: a pass edits ``copy.graph``, then recompiles."""
     graph = torch.fx.Graph()
-    output = graph.graph_copy(gm.graph, {})
-    graph.output(output)
-    nodes = [n for n in graph.nodes if n.op == "call_function" and n.target is _INPLACE]
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return GraphModule(gm, graph)
+
+
+def _inplace_ops(gm: GraphModule) -> list[torch.fx.Node]:
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _INPLACE]
     if not nodes:
         raise ValueError("the graph has no in-place h2o.attention_ node")
-    return graph, nodes
+    return nodes
 
 
 def runtime_recent_graph(gm: GraphModule) -> GraphModule:
@@ -140,14 +144,15 @@ def runtime_recent_graph(gm: GraphModule) -> GraphModule:
     request's capacity, and as an input it changes neither the graph code nor a compiled step.
 
     Before: ``forward(input_ids, position_ids, valid, *state)``; after: ``forward(..., *state, *recent)``."""
-    graph, nodes = _copy(gm)
-    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    for i, node in enumerate(nodes):
-        with graph.inserting_after(last):
-            last = graph.placeholder(f"recent{i}")
+    copy = copy_graph_module(gm)
+    last = [n for n in copy.graph.nodes if n.op == "placeholder"][-1]
+    for i, node in enumerate(_inplace_ops(copy)):
+        with copy.graph.inserting_after(last):
+            last = copy.graph.placeholder(f"recent{i}")
         node.args = node.args[:_PARAMS_AT] + (last,) + node.args[_PARAMS_AT + 1:]
-    graph.lint()
-    return GraphModule(gm, graph)
+    copy.graph.lint()
+    copy.recompile()
+    return copy
 
 
 def fuse_decode_bookkeeping(gm: GraphModule) -> GraphModule:
@@ -155,11 +160,12 @@ def fuse_decode_bookkeeping(gm: GraphModule) -> GraphModule:
     ``ops.decode_fusable_`` instead: the attention stays an opaque op, the eviction bookkeeping becomes plain
     torch ops that torch.compile fuses. Only for the one-token decode step compiled on CPU (see H2OModel; the
     Triton decode kernel already fuses it on GPU)."""
-    graph, nodes = _copy(gm)
-    for node in nodes:
+    copy = copy_graph_module(gm)
+    for node in _inplace_ops(copy):
         node.target = ops.decode_fusable_
-    graph.lint()
-    return GraphModule(gm, graph)
+    copy.graph.lint()
+    copy.recompile()
+    return copy
 
 
 def count_h2o_ops(gm: GraphModule) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule
 
+from .h2o_attention import copy_graph_module
+
 _LINEAR = torch.ops.aten.linear.default
 
 
@@ -26,10 +28,8 @@ def output_projection(gm: GraphModule, head_path: str) -> torch.fx.Node:
 
 def last_position_logits(gm: GraphModule, head_path: str) -> GraphModule:
     """A copy of ``gm`` (sharing its weights) whose logits output is [B, 1, V]: the block's last position."""
-    graph = torch.fx.Graph()
-    output = graph.graph_copy(gm.graph, {})
-    graph.output(output)
-    copy = GraphModule(gm, graph)
+    copy = copy_graph_module(gm)
+    graph = copy.graph
     head = output_projection(copy, head_path)
     hidden = head.args[0]
     with graph.inserting_before(head):
