@@ -67,7 +67,8 @@ def measure(model, shapes, steps: int, budget: float) -> list[dict]:
         _, dynamic_again = timed_steps(opt, ids[:, total - steps:])
         dynamic += dynamic_again
         rows.append({"batch": batch, "total": total, "capacity": opt.capacity,
-                     "eager_ms": 1e3 * statistics.median(eager), "dynamic_ms": 1e3 * statistics.median(dynamic), "static_ms": 1e3 * statistics.median(static),
+                     "eager_ms": 1e3 * statistics.median(eager), "dynamic_ms": 1e3 * statistics.median(dynamic),
+                     "static_ms": 1e3 * statistics.median(static),
                      "first_dynamic_step_s": first_dynamic, "static_compile_s": compile_static})
         print(rows[-1], flush=True)
     return rows

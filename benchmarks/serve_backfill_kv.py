@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import h2o_compile  # noqa: E402
 from h2o_compile.bench.serve import load_model  # noqa: E402
 
-path = Path(sys.argv[1]); name = sys.argv[2]
+path, name = Path(sys.argv[1]), sys.argv[2]
 result = json.loads(path.read_text())
 s = result["settings"]
 model = load_model(name, "cpu")

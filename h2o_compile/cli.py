@@ -326,20 +326,23 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--tail", type=float, default=1.0, help="use only the last fraction of each file (0.1)")
     ev.add_argument("--heldout", type=float, default=None,
                     help="use the held-out tail exactly as the shipped model's trainer split it (e.g. 0.1)")
-    ev.add_argument("--budgets", type=_csv(float), default=[0.05, 0.1, 0.2, 0.5, 1.0])
-    ev.add_argument("--policies", type=_csv(str), default=["full", "h2o", "local", "sink", "random"])
-    ev.add_argument("--seq-len", type=int, default=1024)
-    ev.add_argument("--num-seqs", type=int, default=8)
-    ev.add_argument("--batch-size", type=int, default=8)
-    ev.add_argument("--prompt-len", type=int, default=32)
-    ev.add_argument("--gen-prompt-len", type=int, default=896)
-    ev.add_argument("--gen-new-tokens", type=int, default=128)
-    ev.add_argument("--gen-prompts", type=int, default=8)
-    ev.add_argument("--compile", choices=("on", "off"), default="on")
+    ev.add_argument("--budgets", type=_csv(float), default=[0.05, 0.1, 0.2, 0.5, 1.0],
+                    help="comma-separated fractions of the sequence kept (0.05,0.1,0.2,0.5,1.0)")
+    ev.add_argument("--policies", type=_csv(str), default=["full", "h2o", "local", "sink", "random"],
+                    help="comma-separated, from full, h2o, local, sink, random (all)")
+    ev.add_argument("--seq-len", type=int, default=1024, help="tokens per perplexity window (1024)")
+    ev.add_argument("--num-seqs", type=int, default=8, help="perplexity windows (8)")
+    ev.add_argument("--batch-size", type=int, default=8, help="windows run together (8)")
+    ev.add_argument("--prompt-len", type=int, default=32,
+                    help="tokens fed as one block before the scored one-token steps (32)")
+    ev.add_argument("--gen-prompt-len", type=int, default=896, help="prompt tokens for generation agreement (896)")
+    ev.add_argument("--gen-new-tokens", type=int, default=128, help="greedy tokens compared with the full cache (128)")
+    ev.add_argument("--gen-prompts", type=int, default=8, help="prompts for generation agreement (8)")
+    ev.add_argument("--compile", choices=("on", "off"), default="on", help="torch.compile the decode step (on)")
     ev.add_argument("--compress-sliding", action="store_true",
                     help="compress sliding-window layers to the budget too (default: they keep their window)")
     ev.add_argument("--h2o-sinks", type=int, default=0, help="also evaluate h2o with this many sink tokens")
-    ev.add_argument("--out", default="docs/results/eval")
+    ev.add_argument("--out", default="docs/results/eval", help="folder for eval.json / .md / .png")
     ev.set_defaults(func=cmd_eval)
 
     st = sub.add_parser("stream", help="one long stream through a fixed-size cache: perplexity and memory along it")

@@ -7,4 +7,5 @@ from .last_logits import last_position_logits
 from .rolling_positions import find_rotary, move_rotary_into_ops
 
 __all__ = ["AttentionSite", "Decline", "LayerSpec", "count_h2o_ops", "find_attention_sites", "find_rotary",
-           "fuse_decode_bookkeeping", "last_position_logits", "move_rotary_into_ops", "rewrite_attention", "runtime_recent_graph", "set_h2o_params", "state_names"]
+           "fuse_decode_bookkeeping", "last_position_logits", "move_rotary_into_ops", "rewrite_attention",
+           "runtime_recent_graph", "set_h2o_params", "state_names"]

@@ -172,7 +172,8 @@ def move_rotary_into_ops(gm: GraphModule) -> int:
     ops = _h2o_ops(gm)
     pairs, declines = find_rotary(gm)
     if declines:
-        raise ValueError("positions='rolling' needs every layer's rotary embedding in the graph; " + "; ".join(declines))
+        raise ValueError("positions='rolling' needs every layer's rotary embedding in the graph; "
+                         + "; ".join(declines))
     if any(len(op.args) != _OP_ARGS for op in ops):
         raise ValueError("the h2o ops already take rotary tables (the graph was rewritten before)")
     position_ids = [n for n in graph.nodes if n.op == "placeholder"][1]

@@ -44,9 +44,9 @@ def write_stream_report(runs: Sequence[StreamRun], out_dir, *, model_name: str, 
         f"{first.tokens:,} tokens fed in chunks of {first.chunk} through one cache of {first.capacity} slots per "
         f"layer and KV head (memory: C + one chunk), each chunk's logits scoring the next tokens.{positions_note} "
         f"Windows of {first.windows[0].end - first.windows[0].start:,} scored tokens; the first full window is "
-        "the first one that starts after eviction began (position > C). RSS: the process's resident memory at the end of each "
-        "window. Rolling positions number the cached keys 0..n-1 by age at every step; true positions rotate "
-        "them at their place in the stream.\n\n"
+        "the first one that starts after eviction began (position > C). RSS: the process's resident memory at the "
+        "end of each window. Rolling positions number the cached keys 0..n-1 by age at every step; true positions "
+        "rotate them at their place in the stream.\n\n"
         f"{table}\n\n![perplexity and memory along the stream]({paths['plot'].name})\n")
     _plot(paths["plot"], runs, model_name)
     return paths

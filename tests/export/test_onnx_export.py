@@ -36,7 +36,8 @@ CASES = {
     "gemma3_compressed": ("gemma3", {"budget": 8, "policy": "sink", "compress_sliding": True}),
     # Rolling positions: the rotary tables are computed in the graph, the function rotates by rank.
     "llama_rolling": ("llama", {"budget": 6, "sink_tokens": 1, "policy": "h2o", "positions": "rolling"}),
-    "gpt_neox_rolling_partial_rotary": ("gpt_neox", {"budget": 9, "sink_tokens": 2, "policy": "sink", "positions": "rolling"}),
+    "gpt_neox_rolling_partial_rotary": ("gpt_neox", {"budget": 9, "sink_tokens": 2, "policy": "sink",
+                                                     "positions": "rolling"}),
     "gemma3_rolling_compressed": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                              "positions": "rolling", "prefill": 4}),
     # GPT-OSS (learned sinks) does not export: its MoE calls transformers' grouped_mm op, which has no ONNX
