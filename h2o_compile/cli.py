@@ -331,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--policies", type=_csv(str), default=["full", "h2o", "local", "sink", "random"],
                     help="comma-separated, from full, h2o, local, sink, random (all)")
     ev.add_argument("--seq-len", type=int, default=1024, help="tokens per perplexity window (1024)")
-    ev.add_argument("--num-seqs", type=int, default=8, help="perplexity windows (8)")
+    ev.add_argument("--num-seqs", type=int, default=8, help="perplexity windows (8; 0: generation agreement only)")
     ev.add_argument("--batch-size", type=int, default=8, help="windows run together (8)")
     ev.add_argument("--prompt-len", type=int, default=32,
                     help="tokens fed as one block before the scored one-token steps (32)")

@@ -23,7 +23,7 @@ class EvalSettings:
     budgets: Sequence[float] = (0.05, 0.1, 0.2, 0.5, 1.0)
     policies: Sequence[str] = ("full", "h2o", "local", "sink", "random")
     seq_len: int = 1024
-    num_seqs: int = 8
+    num_seqs: int = 8             # 0: generation agreement only (long prompts, no perplexity sweep)
     batch_size: int = 8
     prompt_len: int = 32          # perplexity is measured on the tokens after this prompt block
     gen_prompt_len: int = 896     # + gen_new_tokens = seq_len and gen_prompts = batch_size: one compile serves both
@@ -38,7 +38,9 @@ class EvalSettings:
             raise ValueError(f"budgets={list(self.budgets)} must be fractions in (0, 1]")
         if not 1 <= self.prompt_len < self.seq_len:
             raise ValueError(f"prompt_len={self.prompt_len} must be in [1, seq_len={self.seq_len})")
-        for name in ("num_seqs", "batch_size", "gen_new_tokens"):
+        if self.num_seqs < 0:
+            raise ValueError(f"num_seqs={self.num_seqs} must be >= 0 (0: generation agreement only)")
+        for name in ("batch_size", "gen_new_tokens", "gen_prompts", "gen_prompt_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
@@ -49,8 +51,8 @@ class EvalResult:
     perplexity: dict = field(default_factory=dict)     # policy -> {budget: ppl}
     agreement: dict = field(default_factory=dict)      # policy -> {budget: {"rouge_l": .., "prefix": ..}}
     kv_bytes: dict = field(default_factory=dict)       # policy -> {budget: H2O state bytes per sequence}
-    reference_bytes: dict = field(default_factory=dict)  # per sequence: "full" (every token, every layer) and
-    #                                                      "transformers" (DynamicCache(config=...))
+    reference_bytes: dict = field(default_factory=dict)  # per sequence of "tokens": "full" (every token, every
+    #                                                      layer) and "transformers" (DynamicCache(config=...))
 
 
 def read_tail(path, fraction: float = 0.1) -> str:
@@ -131,9 +133,10 @@ def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSett
 
     ``on_config(result)`` is called after each configuration with the results so far (a long sweep writes
     them as it goes). Without ``full`` among the policies, the full-cache generations that agreement is
-    measured against are made first (no full-cache perplexity then)."""
+    measured against are made first (no full-cache perplexity then). With ``num_seqs=0`` only agreement is
+    measured, and KV bytes are those of the generation's cache (prompt + new tokens)."""
     settings = settings or EvalSettings()
-    seqs = token_windows(tokenizer, texts, settings.seq_len, settings.num_seqs)
+    seqs = token_windows(tokenizer, texts, settings.seq_len, settings.num_seqs) if settings.num_seqs else None
     gen_len = settings.gen_prompt_len + settings.gen_new_tokens
     gen_source = token_windows(tokenizer, texts, gen_len, settings.gen_prompts)
     prompts = gen_source[:, :settings.gen_prompt_len]
@@ -148,17 +151,17 @@ def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSett
         bar.set_postfix_str(f"{label} @ {budget}")
         h2o = optimize(model, budget=budget, policy=policy, sink_tokens=sink, compile=settings.compile,
                        compress_sliding=settings.compress_sliding)
-        nll, count = 0.0, 0
-        for start in range(0, len(seqs), settings.batch_size):
-            part = seqs[start:start + settings.batch_size]
-            part_nll, part_count = streaming_nll(h2o, part, settings.prompt_len)
-            nll, count = nll + part_nll, count + part_count
-        result.perplexity.setdefault(label, {})[budget] = math.exp(nll / count)
-        result.kv_bytes.setdefault(label, {})[budget] = h2o.kv_cache_bytes() // len(part)
-        result.reference_bytes = {"full": h2o.full_cache_bytes(1, settings.seq_len),
-                                  "transformers": h2o.hf_cache_bytes(1, settings.seq_len),
-                                  "sliding_layers": sum(spec.window > 0 for spec in h2o.layers)}
+        if seqs is not None:
+            nll, count = 0.0, 0
+            for start in range(0, len(seqs), settings.batch_size):
+                part = seqs[start:start + settings.batch_size]
+                part_nll, part_count = streaming_nll(h2o, part, settings.prompt_len)
+                nll, count = nll + part_nll, count + part_count
+            result.perplexity.setdefault(label, {})[budget] = math.exp(nll / count)
+            _record_bytes(result, label, budget, h2o, rows=len(part), tokens=settings.seq_len)
         tokens = _generations(h2o, prompts, settings)
+        if seqs is None:
+            _record_bytes(result, label, budget, h2o, rows=len(prompts), tokens=gen_len)
         if reference_tokens is None:  # the first configuration is the full cache
             reference_tokens = tokens
         scores = [rouge_l(c, r) for c, r in zip(tokens, reference_tokens)]
@@ -168,6 +171,14 @@ def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSett
         if on_config is not None:
             on_config(result)
     return result
+
+
+def _record_bytes(result: EvalResult, label: str, budget: float, h2o, rows: int, tokens: int) -> None:
+    """The H2O state per sequence of the cache just used (sized for ``tokens``), and the reference caches."""
+    result.kv_bytes.setdefault(label, {})[budget] = h2o.kv_cache_bytes() // rows
+    result.reference_bytes = {"tokens": tokens, "full": h2o.full_cache_bytes(1, tokens),
+                              "transformers": h2o.hf_cache_bytes(1, tokens),
+                              "sliding_layers": sum(spec.window > 0 for spec in h2o.layers)}
 
 
 def _generations(h2o, prompts, settings: EvalSettings) -> list[list[int]]:

@@ -12,13 +12,14 @@ from ..reporting import command_line, machine_description, markdown_table, plot_
 def result_rows(result: EvalResult):
     full_ppl = result.perplexity.get("full", {}).get(1.0)
     rows = []
-    for policy, by_budget in result.perplexity.items():
-        for budget, ppl in sorted(by_budget.items()):
-            agree = result.agreement[policy][budget]
-            ratio = ppl / full_ppl if full_ppl else float("nan")
+    for policy, by_budget in result.agreement.items():
+        for budget, agree in sorted(by_budget.items()):
+            ppl = result.perplexity.get(policy, {}).get(budget)
+            ratio = ppl / full_ppl if ppl is not None and full_ppl else float("nan")
             kv = result.kv_bytes.get(policy, {}).get(budget)
             kv_mib = f"{kv / 2**20:.2f}" if kv is not None else "-"
-            rows.append((policy, budget, ppl, ratio, agree["rouge_l"], agree["prefix"], kv_mib))
+            rows.append((policy, budget, "-" if ppl is None else ppl, ratio, agree["rouge_l"], agree["prefix"],
+                         kv_mib))
     return rows
 
 
@@ -31,36 +32,48 @@ def _sliding_note(result: EvalResult) -> str:
 
 
 def write_eval_report(result: EvalResult, out_dir, *, model_name: str, text_names, elapsed_s: float) -> dict:
-    """Writes eval.json, eval.md and eval_perplexity.png under out_dir; returns their paths."""
+    """Writes eval.json, eval.md and a plot under out_dir (eval_perplexity.png, or eval_agreement.png when only
+    agreement was measured); returns their paths."""
     out = Path(out_dir)
-    paths = {"json": out / "eval.json", "markdown": out / "eval.md", "plot": out / "eval_perplexity.png"}
+    s = result.settings
+    plot_name = "eval_perplexity.png" if s["num_seqs"] else "eval_agreement.png"
+    paths = {"json": out / "eval.json", "markdown": out / "eval.md", "plot": out / plot_name}
     header = {"command": command_line(), "machine": machine_description(), "model": model_name,
               "texts": list(text_names), "elapsed_s": round(elapsed_s, 1)}
     write_json(paths["json"], {**header, **asdict(result)})
 
     rows = result_rows(result)
-    s = result.settings
     table = markdown_table(["policy", "budget", "perplexity", "x full", "ROUGE-L vs full", "tokens before divergence",
                             "KV MiB / seq"], rows)
     refs = result.reference_bytes
     ref_note = (f"KV MiB / seq: the H2O state (keys, values, fp32 scores, int64 positions) per sequence; a cache of "
                 f"every token of every layer holds {refs['full'] / 2**20:.2f} MiB and transformers' own "
-                f"DynamicCache {refs['transformers'] / 2**20:.2f} MiB at {s['seq_len']} tokens.{_sliding_note(result)}"
+                f"DynamicCache {refs['transformers'] / 2**20:.2f} MiB at {refs.get('tokens', s['seq_len'])} tokens."
+                f"{_sliding_note(result)}"
                 "\n\n") if refs else ""
     paths["markdown"].write_text(
         f"# Quality vs KV budget: {model_name}\n\n"
         f"Command: `{header['command']}`  \nMachine: {header['machine']}  \nTexts: {', '.join(map(str, text_names))}"
         f"  \nWall time: {elapsed_s:.0f} s\n\n"
-        f"Streaming perplexity over {s['num_seqs']} held-out windows of {s['seq_len']} tokens: a "
-        f"{s['prompt_len']}-token prompt block, then one token per step, so every prediction after the prompt "
-        f"comes from the compressed cache. Generation agreement: greedy {s['gen_new_tokens']} tokens after "
+        + (f"Streaming perplexity over {s['num_seqs']} held-out windows of {s['seq_len']} tokens: a "
+           f"{s['prompt_len']}-token prompt block, then one token per step, so every prediction after the prompt "
+           "comes from the compressed cache. " if s["num_seqs"] else "No perplexity (num_seqs 0). ")
+        + f"Generation agreement: greedy {s['gen_new_tokens']} tokens after "
         f"{s['gen_prompts']} prompts of {s['gen_prompt_len']} tokens, compared with the full cache. "
         "Budget = fraction of the sequence kept.\n\n"
-        f"{ref_note}{table}\n\n![perplexity vs budget]({paths['plot'].name})\n")
+        f"{ref_note}{table}\n\n![{'perplexity' if s['num_seqs'] else 'agreement'} vs budget]({plot_name})\n")
 
-    series = {policy: (sorted(by), [by[b] for b in sorted(by)]) for policy, by in result.perplexity.items()
-              if policy != "full"}
-    hlines = {"full cache": result.perplexity["full"][1.0]} if "full" in result.perplexity else None
-    plot_lines(paths["plot"], series, xlabel="KV-cache budget (fraction of sequence)", ylabel="perplexity",
-               title=f"Streaming perplexity vs budget ({model_name})", logx=True, hlines=hlines)
+    if s["num_seqs"]:
+        series = {policy: (sorted(by), [by[b] for b in sorted(by)]) for policy, by in result.perplexity.items()
+                  if policy != "full"}
+        hlines = {"full cache": result.perplexity["full"][1.0]} if "full" in result.perplexity else None
+        plot_lines(paths["plot"], series, xlabel="KV-cache budget (fraction of sequence)", ylabel="perplexity",
+                   title=f"Streaming perplexity vs budget ({model_name})", logx=True, hlines=hlines)
+    else:
+        series = {policy: (sorted(by), [by[b]["prefix"] for b in sorted(by)]) for policy, by in
+                  result.agreement.items() if policy != "full"}
+        plot_lines(paths["plot"], series, xlabel="KV-cache budget (fraction of sequence)",
+                   ylabel="greedy tokens before divergence from the full cache",
+                   title=f"Generation agreement vs budget ({model_name}, {s['gen_prompt_len']}-token prompts)",
+                   logx=True)
     return paths

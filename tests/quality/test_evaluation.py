@@ -105,3 +105,29 @@ def test_read_tail_and_bad_values(tmp_path):
         EvalSettings(budgets=(0.0,))
     with pytest.raises(ValueError, match="prompt_len=0"):
         EvalSettings(prompt_len=0)
+    with pytest.raises(ValueError, match="num_seqs=-1 must be >= 0"):
+        EvalSettings(num_seqs=-1)
+    with pytest.raises(ValueError, match="gen_prompts=0 must be >= 1"):
+        EvalSettings(gen_prompts=0)
+
+
+def test_agreement_only_sweep_measures_long_prompts_without_perplexity(model_dir, tmp_path):
+    """--num-seqs 0: no perplexity windows; agreement at budget 1.0 is exact, KV bytes are those of the
+    generation's cache (prompt + new tokens), and the plot shows agreement."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    out = tmp_path / "out"
+    code = main(["eval", "--model", str(model_dir), "--text", str(text), "--budgets", "0.25,1.0",
+                 "--policies", "h2o,local", "--num-seqs", "0", "--gen-prompt-len", "40", "--gen-new-tokens", "8",
+                 "--gen-prompts", "2", "--compile", "off", "--out", str(out)])
+    assert code == 0
+    data = json.loads((out / "eval.json").read_text())
+    assert data["perplexity"] == {}
+    assert data["agreement"]["h2o"]["1.0"] == {"rouge_l": 1.0, "prefix": 8.0}
+    sized = h2o_compile.optimize(build("llama"), budget=0.25, compile=False)
+    sized.reset(1, 48)
+    assert data["kv_bytes"]["local"]["0.25"] == sized.kv_cache_bytes()
+    assert data["reference_bytes"]["tokens"] == 48
+    table = (out / "eval.md").read_text()
+    assert "No perplexity" in table and "| local | 0.250 | - |" in table
+    assert (out / "eval_agreement.png").read_bytes()[:4] == b"\x89PNG"
