@@ -31,7 +31,7 @@ import h2o_compile  # noqa: E402
 from h2o_compile.bench.decode import build_model  # noqa: E402
 from h2o_compile.passes import fuse_decode_bookkeeping  # noqa: E402
 from h2o_compile.reporting import command_line, machine_description, markdown_table, write_json  # noqa: E402
-from h2o_compile.runtime import compile_step  # noqa: E402
+from h2o_compile.compiling import compile_step  # noqa: E402
 
 
 def timed_steps(opt, tokens: torch.Tensor) -> tuple[float, list[float]]:

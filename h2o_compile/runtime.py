@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import warnings
 from typing import Optional, Union
@@ -12,6 +11,7 @@ from torch import Tensor, nn
 
 from . import generation
 from .capture import capture
+from .compiling import check_compile, compile_step
 from .config import H2OConfig
 from .kernels.reference import empty_state
 from .ops import backend_for
@@ -20,64 +20,12 @@ from .passes import (LayerSpec, find_attention_sites, find_rotary, fuse_decode_b
 from .support import (ModelLimits, UnsupportedModelError, check_rolling_fits, check_sequence_fits, check_supported,
                       text_config)
 
-_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-_COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
-
-
-# The decode step's sizes that change between requests, as dynamo names the inputs of H2OModel's graph: the
-# recent windows (ints), the cache slots (dim 2 of every state tensor) and the batch (dim 0 of every input) are
-# dynamic; compile_step makes the batch size-oblivious, so that a batch of one does not get a graph of its own.
-# Everything else (head counts, head dims, the one-token block) stays static, as do the weights.
-DYNAMIC_SOURCES = r"L\['recent\d+'\],L\['layer\d+_.*'\]:2,L\['(input_ids|position_ids|valid|layer\d+_.*)'\]:0"
-
-
-def compile_step(fn, mode: str, device: torch.device, dynamic: bool = False):
-    """``fn`` under torch.compile (fullgraph) in ``mode``, as H2OModel compiles its decode step; ``dynamic``
-    compiles one graph for every size of its inputs (H2OModel: batch and cache slots, see ``_decode_fn``).
-
-    On CPU, ``"max-autotune"`` also freezes the weights: they become constants of the compiled step, which
-    lets Inductor prepack them for its GEMM templates (the small-batch decode matmuls are what this speeds up;
-    the packed copy costs a second copy of the weights in memory, and changing the weights afterwards needs
-    a new compile)."""
-    options = dict(torch._inductor.list_mode_options(mode))
-    skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.8
-    if isinstance(fn, nn.Module) and skip_module_guards is not None:
-        # The graph's weights never change under a compiled step: skip re-checking every parameter per call.
-        options["guard_filter_fn"] = skip_module_guards
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
-    patches = []
-    if dynamic:
-        patches.append(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SOURCES))
-        patches.append(torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True))
-    if mode == "max-autotune" and device.type != "cuda":
-        patches.append(torch._inductor.config.patch(freezing=True))
-    if not patches:
-        return compiled
-
-    def patched_step(*args, **kwargs):
-        # Dynamo and Inductor read these configs when they compile, which happens lazily at a call, so every
-        # call runs under the patches (~30 us each).
-        with contextlib.ExitStack() as stack:
-            for patch in patches:
-                stack.enter_context(patch)
-            return compiled(*args, **kwargs)
-
-    return patched_step
-
-
 def _positive_ints(name: str, values) -> list[int]:
     values = [values] if isinstance(values, int) else list(values)
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]
     if bad or not values:
         raise ValueError(f"{name}={values!r} must be ints >= 1")
     return values
-
-
-def _check_compile(compile) -> None:
-    if isinstance(compile, bool) or (isinstance(compile, str) and compile in _COMPILE_CHOICES):
-        return
-    raise ValueError(f"compile={compile!r}; allowed: 'auto', True, False or a torch.compile mode "
-                     f"({', '.join(map(repr, _COMPILE_MODES))})")
 
 
 class H2OModel(nn.Module):
@@ -90,7 +38,7 @@ class H2OModel(nn.Module):
     def __init__(self, model: nn.Module, graph: torch.fx.GraphModule, layers: list[LayerSpec], config: H2OConfig,
                  limits: ModelLimits, compile: Union[str, bool] = "auto"):
         super().__init__()
-        _check_compile(compile)
+        check_compile(compile)
         self.model = model  # kept for .config / .generation_config; the graph shares its weights
         self.graph = runtime_recent_graph(graph)  # forward(input_ids, position_ids, valid, *state, *recent)
         self.layers = layers
@@ -416,6 +364,6 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
     """
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
                        prefill=prefill, seed=seed, compress_sliding=compress_sliding, positions=positions)
-    _check_compile(compile)
+    check_compile(compile)
     graph, layers, limits = build_graph(model, positions=config.positions)
     return H2OModel(model, graph, layers, config, limits, compile=compile)

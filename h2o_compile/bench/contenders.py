@@ -123,7 +123,7 @@ class HFContender:
             self.cache.update(keys, values, i)
         self.batch, self.total, self.context, self.capacity = batch, total, context, total
         if self._fn is None:
-            from ..runtime import compile_step  # the same settings H2OModel compiles its step with
+            from ..compiling import compile_step  # the same settings H2OModel compiles its step with
 
             self._fn = (compile_step(self.model.forward, self.mode or "default", weight.device) if self.compile
                         else self.model.forward)

@@ -38,6 +38,8 @@ class EvalSettings:
             raise ValueError(f"budgets={list(self.budgets)} must be fractions in (0, 1]")
         if not 1 <= self.prompt_len < self.seq_len:
             raise ValueError(f"prompt_len={self.prompt_len} must be in [1, seq_len={self.seq_len})")
+        if not self.policies and not self.h2o_sinks:
+            raise ValueError("no configuration to run: give at least one policy, or h2o_sinks > 0")
         if self.num_seqs < 0:
             raise ValueError(f"num_seqs={self.num_seqs} must be >= 0 (0: generation agreement only)")
         for name in ("batch_size", "gen_new_tokens", "gen_prompts", "gen_prompt_len"):

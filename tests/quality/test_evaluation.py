@@ -105,6 +105,8 @@ def test_read_tail_and_bad_values(tmp_path):
         EvalSettings(budgets=(0.0,))
     with pytest.raises(ValueError, match="prompt_len=0"):
         EvalSettings(prompt_len=0)
+    with pytest.raises(ValueError, match="no configuration to run"):
+        EvalSettings(policies=())
     with pytest.raises(ValueError, match="num_seqs=-1 must be >= 0"):
         EvalSettings(num_seqs=-1)
     with pytest.raises(ValueError, match="gen_prompts=0 must be >= 1"):

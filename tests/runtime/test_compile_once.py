@@ -11,7 +11,7 @@ import transformers
 from torch._dynamo.utils import counters
 
 import h2o_compile
-from h2o_compile.runtime import compile_step
+from h2o_compile.compiling import compile_step
 
 from .compile_checks import assert_ran_compiled, strict_compile
 

@@ -1,0 +1,60 @@
+"""How H2OModel compiles its decode step: torch.compile settings shared with the benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+_COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
+
+
+# The decode step's sizes that change between requests, as dynamo names the inputs of H2OModel's graph: the
+# recent windows (ints), the cache slots (dim 2 of every state tensor) and the batch (dim 0 of every input) are
+# dynamic; compile_step makes the batch size-oblivious, so that a batch of one does not get a graph of its own.
+# Everything else (head counts, head dims, the one-token block) stays static, as do the weights.
+DYNAMIC_SOURCES = r"L\['recent\d+'\],L\['layer\d+_.*'\]:2,L\['(input_ids|position_ids|valid|layer\d+_.*)'\]:0"
+
+
+def compile_step(fn, mode: str, device: torch.device, dynamic: bool = False):
+    """``fn`` under torch.compile (fullgraph) in ``mode``, as H2OModel compiles its decode step; ``dynamic``
+    compiles one graph for every size of its inputs (H2OModel: batch and cache slots, see ``_decode_fn``).
+
+    On CPU, ``"max-autotune"`` also freezes the weights: they become constants of the compiled step, which
+    lets Inductor prepack them for its GEMM templates (the small-batch decode matmuls are what this speeds up;
+    the packed copy costs a second copy of the weights in memory, and changing the weights afterwards needs
+    a new compile)."""
+    options = dict(torch._inductor.list_mode_options(mode))
+    skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.8
+    if isinstance(fn, nn.Module) and skip_module_guards is not None:
+        # The graph's weights never change under a compiled step: skip re-checking every parameter per call.
+        options["guard_filter_fn"] = skip_module_guards
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    patches = []
+    if dynamic:
+        patches.append(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SOURCES))
+        patches.append(torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True))
+    if mode == "max-autotune" and device.type != "cuda":
+        patches.append(torch._inductor.config.patch(freezing=True))
+    if not patches:
+        return compiled
+
+    def patched_step(*args, **kwargs):
+        # Dynamo and Inductor read these configs when they compile, which happens lazily at a call, so every
+        # call runs under the patches (~30 us each).
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            return compiled(*args, **kwargs)
+
+    return patched_step
+
+
+def check_compile(compile) -> None:
+    """``compile`` of optimize / H2OModel: "auto" (eager on CPU, CUDA graphs on GPU), a bool, or a mode."""
+    if isinstance(compile, bool) or (isinstance(compile, str) and compile in _COMPILE_CHOICES):
+        return
+    raise ValueError(f"compile={compile!r}; allowed: 'auto', True, False or a torch.compile mode "
+                     f"({', '.join(map(repr, _COMPILE_MODES))})")
