@@ -1,4 +1,5 @@
-"""``h2o-compile``: demo | generate | eval | stream | bench | export."""
+"""``h2o-compile``: demo | generate | eval | eval-merge | stream | bench | export (the quality commands live
+in quality/commands.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import POLICIES, POSITIONS
+from .config import POLICIES
 
 
 def parse_budget(text: str):
@@ -115,7 +116,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _csv(kind):
+def csv_of(kind):
     def parse(text):
         try:
             return [kind(x) for x in text.split(",") if x]
@@ -124,87 +125,7 @@ def _csv(kind):
     return parse
 
 
-def cmd_eval(args) -> int:
-    import torch
-
-    from .quality.report import write_eval_report
-    from .quality.evaluation import EvalSettings, evaluate, read_tail
-
-    bad = [p for p in args.policies if p not in POLICIES]
-    if bad:
-        raise ValueError(f"--policies {bad} not supported; choose from {', '.join(POLICIES)}")
-    if "full" in args.policies:
-        args.policies = ["full"] + [p for p in args.policies if p != "full"]
-    torch.manual_seed(0)
-    model, tokenizer = load_local(args.model or "tiny")  # the tiny model is the zoo name "tiny"
-    settings = EvalSettings(budgets=args.budgets, policies=args.policies, seq_len=args.seq_len,
-                            num_seqs=args.num_seqs, batch_size=args.batch_size, prompt_len=args.prompt_len,
-                            gen_prompt_len=args.gen_prompt_len, gen_new_tokens=args.gen_new_tokens,
-                            gen_prompts=args.gen_prompts, compile=args.compile != "off",
-                            compress_sliding=args.compress_sliding, h2o_sinks=args.h2o_sinks)
-    if args.heldout is not None:
-        from .zoo.data import read_corpus
-
-        texts = read_corpus(args.text, heldout_frac=args.heldout)[1]
-        names = [f"{Path(p).name} (held-out last {args.heldout:.0%}, cleaned as in training)" for p in args.text]
-    else:
-        texts = [read_tail(path, args.tail) for path in args.text]
-        names = [f"{Path(p).name} (last {args.tail:.0%})" for p in args.text]
-    start = time.perf_counter()
-
-    def write_partial(partial):  # an interrupted sweep keeps the configurations it finished
-        write_eval_report(partial, args.out, model_name=_model_name(args.model), text_names=names,
-                          elapsed_s=time.perf_counter() - start)
-
-    result = evaluate(model, tokenizer, texts, settings, on_config=write_partial)
-    elapsed = time.perf_counter() - start
-    paths = write_eval_report(result, args.out, model_name=_model_name(args.model),
-                              text_names=names,
-                              elapsed_s=elapsed)
-    print(paths["markdown"].read_text())
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
-    return 0
-
-
-def cmd_stream(args) -> int:
-    import torch
-
-    from .quality.stream import stream_runs
-    from .quality.stream_report import write_stream_report
-    from .zoo.data import encode_stream
-
-    for name, values, allowed in (("--policy", args.policy, [p for p in POLICIES if p != "full"]),
-                                  ("--positions", args.positions, list(POSITIONS))):
-        bad = [v for v in values if v not in allowed]
-        if bad or not values:
-            raise ValueError(f"{name} {bad or values}: choose from {', '.join(allowed)}")
-    model, tokenizer = load_local(args.model)
-    texts = []
-    for path in args.text:
-        texts.append(Path(path).read_text(encoding="utf-8", errors="replace"))
-    ids = torch.from_numpy(encode_stream(tokenizer, texts).astype("int64"))
-    if args.tokens > ids.numel():
-        raise ValueError(f"--tokens {args.tokens:,}: the texts hold {ids.numel():,} tokens; give more --text files "
-                         "or fewer tokens")
-    ids = ids[:args.tokens]
-    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    names = [Path(p).name for p in args.text]
-    start = time.perf_counter()
-
-    def write(runs):  # after every run, so a long sweep keeps what it finished
-        return write_stream_report(runs, args.out, model_name=_model_name(args.model), text_names=names,
-                                   max_positions=max_positions, elapsed_s=time.perf_counter() - start)
-
-    runs = stream_runs(model, ids, capacity=args.budget_slots, chunk=args.chunk, policies=args.policy,
-                       positions=args.positions, sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
-                       on_run=write)
-    paths = write(runs)
-    print(paths["markdown"].read_text())
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
-    return 0
-
-
-def _model_name(path) -> str:
+def model_name(path) -> str:
     if not path or path == "tiny":
         return "tiny-llama"
     from . import zoo
@@ -257,23 +178,23 @@ def cmd_bench(args) -> int:
 
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="decode tokens/s, latency, memory vs transformers' caches + roofline")
-    bench.add_argument("--models", type=_csv(str), default=["tiny", "kvbound"], help="tiny,kvbound (or smoke)")
-    bench.add_argument("--batches", type=_csv(int), default=[1, 8])
-    bench.add_argument("--totals", type=_csv(int), default=[1024, 4096], help="prompt + generated tokens")
-    bench.add_argument("--budgets", type=_csv(float), default=[0.1, 0.2, 0.5], help="h2o budgets")
+    bench.add_argument("--models", type=csv_of(str), default=["tiny", "kvbound"], help="tiny,kvbound (or smoke)")
+    bench.add_argument("--batches", type=csv_of(int), default=[1, 8])
+    bench.add_argument("--totals", type=csv_of(int), default=[1024, 4096], help="prompt + generated tokens")
+    bench.add_argument("--budgets", type=csv_of(float), default=[0.1, 0.2, 0.5], help="h2o budgets")
     bench.add_argument("--local-budget", type=float, default=0.2)
     bench.add_argument("--steps", type=int, default=16, help="timed decode steps per block")
     bench.add_argument("--warmup", type=int, default=3, help="untimed decode steps (compile included)")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--no-prefill", action="store_true", help="skip the batch-1 prefill timing")
     bench.add_argument("--prefill-repeats", type=int, default=1)
-    bench.add_argument("--prefill-contenders", type=_csv(str),
+    bench.add_argument("--prefill-contenders", type=csv_of(str),
                        default=["hf-dynamic", "hf-static-compile", "h2o-full", "h2o@0.2"],
                        help="contenders whose batch-1 prefill is timed ('' = all)")
     bench.add_argument("--compile", choices=("on", "off", "max-autotune"), default="on",
                        help="compiled contenders: torch.compile default mode, eager, or max-autotune (CPU: with "
                             "frozen, prepacked weights) for transformers' StaticCache and H2O alike")
-    bench.add_argument("--contenders", type=_csv(str), default=None,
+    bench.add_argument("--contenders", type=csv_of(str), default=None,
                        help="subset, e.g. hf-dynamic,hf-static-compile,h2o-full,local@0.2,h2o@0.2")
     bench.add_argument("--bandwidth-mib", type=int, default=512)
     bench.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
@@ -320,43 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_h2o_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    ev = sub.add_parser("eval", help="perplexity and generation agreement vs budget, per policy")
-    ev.add_argument("--model", default=None, help="model folder, .gguf file, or gemma3-270m / tiny (default: tiny)")
-    ev.add_argument("--text", nargs="+", required=True, help="text file(s) to evaluate on")
-    ev.add_argument("--tail", type=float, default=1.0, help="use only the last fraction of each file (0.1)")
-    ev.add_argument("--heldout", type=float, default=None,
-                    help="use the held-out tail exactly as the shipped model's trainer split it (e.g. 0.1)")
-    ev.add_argument("--budgets", type=_csv(float), default=[0.05, 0.1, 0.2, 0.5, 1.0],
-                    help="comma-separated fractions of the sequence kept (0.05,0.1,0.2,0.5,1.0)")
-    ev.add_argument("--policies", type=_csv(str), default=["full", "h2o", "local", "sink", "random"],
-                    help="comma-separated, from full, h2o, local, sink, random (all)")
-    ev.add_argument("--seq-len", type=int, default=1024, help="tokens per perplexity window (1024)")
-    ev.add_argument("--num-seqs", type=int, default=8, help="perplexity windows (8; 0: generation agreement only)")
-    ev.add_argument("--batch-size", type=int, default=8, help="windows run together (8)")
-    ev.add_argument("--prompt-len", type=int, default=32,
-                    help="tokens fed as one block before the scored one-token steps (32)")
-    ev.add_argument("--gen-prompt-len", type=int, default=896, help="prompt tokens for generation agreement (896)")
-    ev.add_argument("--gen-new-tokens", type=int, default=128, help="greedy tokens compared with the full cache (128)")
-    ev.add_argument("--gen-prompts", type=int, default=8, help="prompts for generation agreement (8)")
-    ev.add_argument("--compile", choices=("on", "off"), default="on", help="torch.compile the decode step (on)")
-    ev.add_argument("--compress-sliding", action="store_true",
-                    help="compress sliding-window layers to the budget too (default: they keep their window)")
-    ev.add_argument("--h2o-sinks", type=int, default=0, help="also evaluate h2o with this many sink tokens")
-    ev.add_argument("--out", default="docs/results/eval", help="folder for eval.json / .md / .png")
-    ev.set_defaults(func=cmd_eval)
+    from .quality.commands import add_quality_parsers  # eval, eval-merge, stream (they import this module)
 
-    st = sub.add_parser("stream", help="one long stream through a fixed-size cache: perplexity and memory along it")
-    st.add_argument("--model", default="tiny", help="model folder, .gguf file, or gemma3-270m / tiny (default)")
-    st.add_argument("--text", nargs="+", required=True, help="text file(s), concatenated into one stream")
-    st.add_argument("--tokens", type=int, required=True, help="stream length in tokens")
-    st.add_argument("--budget-slots", type=int, required=True, help="cache slots C per layer and KV head")
-    st.add_argument("--chunk", type=int, default=64, help="tokens per step (memory: C + chunk)")
-    st.add_argument("--policy", type=_csv(str), default=["h2o", "sink"], help="comma-separated (h2o,sink)")
-    st.add_argument("--positions", type=_csv(str), default=["rolling"], help="rolling and/or true")
-    st.add_argument("--sink-tokens", type=int, default=None, help="default: 0 for h2o, 4 for sink")
-    st.add_argument("--window-tokens", type=int, default=4096, help="scored tokens per reported window")
-    st.add_argument("--out", default="docs/results/stream")
-    st.set_defaults(func=cmd_stream)
+    add_quality_parsers(sub)
 
     exp = sub.add_parser("export", help="export an H2O model to ONNX for ONNX Runtime")
     exp.add_argument("--model", required=True, help="model folder, .gguf file, or gemma3-270m / tiny")

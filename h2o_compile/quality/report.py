@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from typing import Sequence
 
 from .evaluation import EvalResult
 from ..reporting import command_line, machine_description, markdown_table, plot_lines, write_json
@@ -23,6 +24,31 @@ def result_rows(result: EvalResult):
     return rows
 
 
+def budget_table(result: EvalResult) -> str:
+    """Markdown: one row per budget, one column per policy, each cell the perplexity (x the full cache), the
+    best policy of a row in bold; with the H2O state per sequence of the row (the same for every policy)."""
+    labels = [label for label in result.perplexity if label != "full"]
+    budgets = sorted({b for label in labels for b in result.perplexity[label]})
+    full = result.perplexity.get("full", {}).get(1.0)
+    lines = ["| budget | KV MiB / seq | " + " | ".join(labels) + " |", "|---" * (len(labels) + 2) + "|"]
+    for budget in budgets:
+        values = {label: result.perplexity[label].get(budget) for label in labels}
+        best = min((v for v in values.values() if v is not None), default=None)
+        kv = next((result.kv_bytes[label][budget] for label in labels if budget in result.kv_bytes.get(label, {})),
+                  None)
+        cells = []
+        for label in labels:
+            value = values[label]
+            if value is None:
+                cells.append("-")
+                continue
+            text = f"{value:.2f}" + (f" ({value / full:.3f}x)" if full else "")
+            cells.append(f"**{text}**" if value == best and len(values) > 1 else text)
+        kv_text = "-" if kv is None else f"{kv / 2**20:.2f}"
+        lines.append(f"| {budget:g} | {kv_text} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _sliding_note(result: EvalResult) -> str:
     count = result.reference_bytes.get("sliding_layers", 0)
     if not count:
@@ -31,18 +57,26 @@ def _sliding_note(result: EvalResult) -> str:
     return f" The model's {count} sliding-window layers {how}."
 
 
-def write_eval_report(result: EvalResult, out_dir, *, model_name: str, text_names, elapsed_s: float) -> dict:
+def write_eval_report(result: EvalResult, out_dir, *, model_name: str, text_names, elapsed_s: float,
+                      sources: Sequence[dict] = ()) -> dict:
     """Writes eval.json, eval.md and a plot under out_dir (eval_perplexity.png, or eval_agreement.png when only
-    agreement was measured); returns their paths."""
+    agreement was measured); returns their paths. ``sources``: the runs a merged result came from (their
+    folder and command, listed in eval.md)."""
     out = Path(out_dir)
     s = result.settings
     plot_name = "eval_perplexity.png" if s["num_seqs"] else "eval_agreement.png"
     paths = {"json": out / "eval.json", "markdown": out / "eval.md", "plot": out / plot_name}
     header = {"command": command_line(), "machine": machine_description(), "model": model_name,
               "texts": list(text_names), "elapsed_s": round(elapsed_s, 1)}
+    if sources:
+        header["sources"] = [{"folder": run["folder"], "command": run["command"]} for run in sources]
     write_json(paths["json"], {**header, **asdict(result)})
 
     rows = result_rows(result)
+    pivot = (budget_table(result) + "\n\nEvery configuration:\n\n"
+             if sum(label != "full" for label in result.perplexity) > 1 else "")
+    merged = ("Merged from " + str(len(sources)) + " runs (same model, texts and settings):\n\n"
+              + "".join(f"- `{run['folder']}`: `{run['command']}`\n" for run in sources) + "\n") if sources else ""
     table = markdown_table(["policy", "budget", "perplexity", "x full", "ROUGE-L vs full", "tokens before divergence",
                             "KV MiB / seq"], rows)
     refs = result.reference_bytes
@@ -61,7 +95,8 @@ def write_eval_report(result: EvalResult, out_dir, *, model_name: str, text_name
         + f"Generation agreement: greedy {s['gen_new_tokens']} tokens after "
         f"{s['gen_prompts']} prompts of {s['gen_prompt_len']} tokens, compared with the full cache. "
         "Budget = fraction of the sequence kept.\n\n"
-        f"{ref_note}{table}\n\n![{'perplexity' if s['num_seqs'] else 'agreement'} vs budget]({plot_name})\n")
+        f"{merged}{ref_note}{pivot}{table}\n\n"
+        f"![{'perplexity' if s['num_seqs'] else 'agreement'} vs budget]({plot_name})\n")
 
     if s["num_seqs"]:
         series = {policy: (sorted(by), [by[b] for b in sorted(by)]) for policy, by in result.perplexity.items()

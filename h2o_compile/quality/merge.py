@@ -1,0 +1,76 @@
+"""One report from several runs of the same evaluation: a sweep too slow for one process, split by budget or
+policy across runs (``h2o-compile eval-merge``).
+
+Runs merge only if they measured the same thing: the same model, texts and the settings that define a number
+(window length and count, prompt block, generation prompts, whether sliding layers are compressed). A
+configuration measured by two runs must agree (the evaluation is deterministic); otherwise the merge refuses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+from .evaluation import EvalResult
+
+# Settings that change what a number means; budgets, policies, batch size and compile may differ between runs.
+SAME_SETTINGS = ("seq_len", "num_seqs", "prompt_len", "gen_prompt_len", "gen_new_tokens", "gen_prompts",
+                 "compress_sliding")
+
+
+def load_run(folder) -> dict:
+    """The eval.json an ``h2o-compile eval`` run wrote in ``folder``, with budgets as floats."""
+    path = Path(folder) / "eval.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no eval.json (give folders written by h2o-compile eval --out)")
+    run = json.loads(path.read_text())
+    for key in ("perplexity", "agreement", "kv_bytes"):
+        run[key] = {label: {float(b): v for b, v in by.items()} for label, by in run.get(key, {}).items()}
+    run["folder"] = str(folder)
+    return run
+
+
+def merge_runs(runs: Sequence[dict]) -> EvalResult:
+    """The union of the runs' configurations as one EvalResult (settings: the first run's, with every budget
+    and policy). Raises ValueError when the runs measured different things or disagree on a configuration."""
+    if not runs:
+        raise ValueError("nothing to merge: give at least one run folder")
+    first = runs[0]
+    for run in runs[1:]:
+        for key in ("model", "texts"):
+            if run.get(key) != first.get(key):
+                raise ValueError(f"{run['folder']} has {key}={run.get(key)!r}, {first['folder']} "
+                                 f"{first.get(key)!r}: only runs of the same measurement merge")
+        for key in SAME_SETTINGS:
+            if run["settings"].get(key) != first["settings"].get(key):
+                raise ValueError(f"{run['folder']} has {key}={run['settings'].get(key)!r}, {first['folder']} "
+                                 f"{first['settings'].get(key)!r}: only runs of the same measurement merge")
+    result = EvalResult(settings=dict(first["settings"]), reference_bytes=dict(first["reference_bytes"]))
+    owner = {}  # (table, label, budget) -> folder that measured it first
+    for run in runs:
+        for table in ("perplexity", "agreement", "kv_bytes"):
+            merged = getattr(result, table)
+            for label, by in run[table].items():
+                for budget, value in by.items():
+                    where = (table, label, budget)
+                    if where in owner and not _same(merged[label][budget], value):
+                        raise ValueError(f"{label} at budget {budget}: {table} {merged[label][budget]} in "
+                                         f"{owner[where]} but {value} in {run['folder']}")
+                    owner.setdefault(where, run["folder"])
+                    merged.setdefault(label, {})[budget] = value
+    policies = []
+    for run in runs:
+        policies += [p for p in run["settings"]["policies"] if p not in policies]
+    result.settings.update(budgets=sorted({b for label, by in result.agreement.items() if label != "full"
+                                           for b in by}),
+                           policies=policies,
+                           h2o_sinks=max(run["settings"].get("h2o_sinks", 0) for run in runs))
+    return result
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return math.isclose(a, b, rel_tol=1e-9)
