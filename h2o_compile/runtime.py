@@ -20,6 +20,7 @@ from .passes import (LayerSpec, find_attention_sites, find_rotary, fuse_decode_b
 from .support import (ModelLimits, UnsupportedModelError, check_rolling_fits, check_sequence_fits, check_supported,
                       text_config)
 
+
 def _positive_ints(name: str, values) -> list[int]:
     values = [values] if isinstance(values, int) else list(values)
     bad = [v for v in values if isinstance(v, bool) or not isinstance(v, int) or v < 1]

@@ -98,11 +98,12 @@ def check_sequence_fits(limits: ModelLimits, max_seq_len: int) -> None:
                          f"max_position_embeddings={limits.max_positions}")
 
 
-def check_rolling_fits(limits: ModelLimits, max_slots: int, before: int, block: int) -> None:
+def check_rolling_fits(limits: ModelLimits, max_slots: int, before: int, block: int, context: str = "") -> None:
     """With rolling positions a block of ``block`` tokens after ``before`` others sees at most
-    min(max_slots, before) held keys, then itself: its largest rotary position must be one the model knows."""
+    min(max_slots, before) held keys, then itself: its largest rotary position must be one the model knows.
+    ``context`` starts the error message (what the caller was asked for)."""
     held = min(max_slots, before)
     if limits.max_positions is not None and held + block > limits.max_positions:
-        raise ValueError(f"rolling positions reach {held} held keys + a block of {block} = {held + block}, beyond "
-                         f"the model's max_position_embeddings={limits.max_positions}: use fewer slots or a "
-                         "smaller block (prefill=c)")
+        raise ValueError(f"{context}rolling positions reach {held} held keys + a block of {block} = "
+                         f"{held + block}, beyond the model's max_position_embeddings={limits.max_positions}: use "
+                         "fewer slots or a smaller block (prefill=c)")

@@ -153,7 +153,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         check_sequence_fits(limits, max_seq_len)
     else:  # rolling: the last block of the sequence decides
         block = max_seq_len if config.prefill == "full" else min(config.prefill, max_seq_len)
-        check_rolling_fits(limits, max(p[0] for p in plan), max_seq_len - block, block)
+        check_rolling_fits(limits, max(p[0] for p in plan), max_seq_len - block, block,
+                           context=f"max_seq_len={max_seq_len} with prefill={config.prefill!r}: ")
 
     graph, layers, _ = build_graph(hf_model, functional=True, positions=config.positions)
     dtype = layers[0].dtype

@@ -94,6 +94,9 @@ def cmd_eval_merge(args) -> int:
     from .merge import load_run, merge_runs
     from .report import write_eval_report
 
+    out = Path(args.out).resolve()
+    if any(Path(folder).resolve() == out for folder in args.runs):
+        raise ValueError(f"--out {args.out} is one of the runs to merge: it would overwrite that run's report")
     runs = [load_run(folder) for folder in args.runs]
     result = merge_runs(runs)
     paths = write_eval_report(result, args.out, model_name=runs[0]["model"], text_names=runs[0]["texts"],

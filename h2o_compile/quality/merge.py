@@ -2,8 +2,11 @@
 policy across runs (``h2o-compile eval-merge``).
 
 Runs merge only if they measured the same thing: the same model, texts and the settings that define a number
-(window length and count, prompt block, generation prompts, whether sliding layers are compressed). A
-configuration measured by two runs must agree (the evaluation is deterministic); otherwise the merge refuses.
+(window length and count, prompt block, generation prompts, whether sliding layers are compressed, the sink
+tokens of h2o+sinks). Model and texts are compared by the names their reports carry (a folder's name, a text
+file's name and the fraction read), so two different checkpoints in folders of the same name would pass. A
+configuration measured by two runs must agree to ``REL_TOL`` (the evaluation is deterministic; eager and
+compiled steps, or another batch size, differ by float rounding); otherwise the merge refuses.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from .evaluation import EvalResult
 # Settings that change what a number means; budgets, policies, batch size and compile may differ between runs.
 SAME_SETTINGS = ("seq_len", "num_seqs", "prompt_len", "gen_prompt_len", "gen_new_tokens", "gen_prompts",
                  "compress_sliding")
+REL_TOL = 1e-4
 
 
 def load_run(folder) -> dict:
@@ -47,6 +51,9 @@ def merge_runs(runs: Sequence[dict]) -> EvalResult:
             if run["settings"].get(key) != first["settings"].get(key):
                 raise ValueError(f"{run['folder']} has {key}={run['settings'].get(key)!r}, {first['folder']} "
                                  f"{first['settings'].get(key)!r}: only runs of the same measurement merge")
+    sinks = {run["settings"].get("h2o_sinks", 0) for run in runs} - {0}
+    if len(sinks) > 1:
+        raise ValueError(f"the runs evaluate h2o with {sorted(sinks)} sink tokens: merge runs of one h2o_sinks")
     result = EvalResult(settings=dict(first["settings"]), reference_bytes=dict(first["reference_bytes"]))
     owner = {}  # (table, label, budget) -> folder that measured it first
     for run in runs:
@@ -60,17 +67,19 @@ def merge_runs(runs: Sequence[dict]) -> EvalResult:
                                          f"{owner[where]} but {value} in {run['folder']}")
                     owner.setdefault(where, run["folder"])
                     merged.setdefault(label, {})[budget] = value
-    policies = []
-    for run in runs:
-        policies += [p for p in run["settings"]["policies"] if p not in policies]
+    # What was measured (a run interrupted mid-sweep measured less than its settings say).
     result.settings.update(budgets=sorted({b for label, by in result.agreement.items() if label != "full"
                                            for b in by}),
-                           policies=policies,
-                           h2o_sinks=max(run["settings"].get("h2o_sinks", 0) for run in runs))
+                           policies=[label for label in result.agreement if "+" not in label],
+                           h2o_sinks=sinks.pop() if sinks else 0)
+    for key in ("batch_size", "compile"):  # may differ between runs: say so rather than keep the first's
+        values = {json.dumps(run["settings"].get(key)) for run in runs}
+        if len(values) > 1:
+            result.settings[key] = "per run"
     return result
 
 
 def _same(a, b) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return math.isclose(a, b, rel_tol=1e-9)
+    return math.isclose(a, b, rel_tol=REL_TOL)

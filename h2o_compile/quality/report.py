@@ -16,7 +16,7 @@ def result_rows(result: EvalResult):
     for policy, by_budget in result.agreement.items():
         for budget, agree in sorted(by_budget.items()):
             ppl = result.perplexity.get(policy, {}).get(budget)
-            ratio = ppl / full_ppl if ppl is not None and full_ppl else float("nan")
+            ratio = (ppl / full_ppl if full_ppl else float("nan")) if ppl is not None else "-"
             kv = result.kv_bytes.get(policy, {}).get(budget)
             kv_mib = f"{kv / 2**20:.2f}" if kv is not None else "-"
             rows.append((policy, budget, "-" if ppl is None else ppl, ratio, agree["rouge_l"], agree["prefix"],
@@ -43,7 +43,8 @@ def budget_table(result: EvalResult) -> str:
                 cells.append("-")
                 continue
             text = f"{value:.2f}" + (f" ({value / full:.3f}x)" if full else "")
-            cells.append(f"**{text}**" if value == best and len(values) > 1 else text)
+            present = sum(v is not None for v in values.values())
+            cells.append(f"**{text}**" if value == best and present > 1 else text)
         kv_text = "-" if kv is None else f"{kv / 2**20:.2f}"
         lines.append(f"| {budget:g} | {kv_text} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -69,7 +70,10 @@ def write_eval_report(result: EvalResult, out_dir, *, model_name: str, text_name
     header = {"command": command_line(), "machine": machine_description(), "model": model_name,
               "texts": list(text_names), "elapsed_s": round(elapsed_s, 1)}
     if sources:
-        header["sources"] = [{"folder": run["folder"], "command": run["command"]} for run in sources]
+        header["sources"] = [{key: run.get(key) for key in ("folder", "command", "machine", "elapsed_s")}
+                             for run in sources]
+        machines = list(dict.fromkeys(run.get("machine", "?") for run in sources))
+        header["machine"] = " / ".join(machines)  # where the numbers were measured, not where they were merged
     write_json(paths["json"], {**header, **asdict(result)})
 
     rows = result_rows(result)
@@ -88,7 +92,7 @@ def write_eval_report(result: EvalResult, out_dir, *, model_name: str, text_name
     paths["markdown"].write_text(
         f"# Quality vs KV budget: {model_name}\n\n"
         f"Command: `{header['command']}`  \nMachine: {header['machine']}  \nTexts: {', '.join(map(str, text_names))}"
-        f"  \nWall time: {elapsed_s:.0f} s\n\n"
+        f"  \n{'Wall time: ' if not sources else 'Time (the runs together): '}{elapsed_s:.0f} s\n\n"
         + (f"Streaming perplexity over {s['num_seqs']} held-out windows of {s['seq_len']} tokens: a "
            f"{s['prompt_len']}-token prompt block, then one token per step, so every prediction after the prompt "
            "comes from the compressed cache. " if s["num_seqs"] else "No perplexity (num_seqs 0). ")

@@ -217,7 +217,8 @@ def test_bad_export_arguments_raise_value_error(tmp_path, kwargs, match):
 
 def test_rolling_positions_beyond_the_models_positions_raise(tmp_path):
     # 200 tokens in one prefill block would rotate keys up to rolling position 200 > 128 trained positions.
-    with pytest.raises(ValueError, match="reach 0 held keys \\+ a block of 200 = 200, beyond the model's "
+    with pytest.raises(ValueError, match="max_seq_len=200 with prefill='full': rolling positions reach 0 held "
+                                         "keys \\+ a block of 200 = 200, beyond the model's "
                                          "max_position_embeddings=128"):
         export_onnx(build("llama"), tmp_path / "never", max_seq_len=200, budget=16, positions="rolling")
     assert not (tmp_path / "never").exists()

@@ -131,5 +131,5 @@ def test_agreement_only_sweep_measures_long_prompts_without_perplexity(model_dir
     assert data["kv_bytes"]["local"]["0.25"] == sized.kv_cache_bytes()
     assert data["reference_bytes"]["tokens"] == 48
     table = (out / "eval.md").read_text()
-    assert "No perplexity" in table and "| local | 0.250 | - |" in table
+    assert "No perplexity" in table and "| local | 0.250 | - | - |" in table
     assert (out / "eval_agreement.png").read_bytes()[:4] == b"\x89PNG"
