@@ -59,3 +59,19 @@ def test_capacity_rejects_bad_total():
         H2OConfig().capacity(0)
     with pytest.raises(ValueError, match="exceeds the cache capacity"):
         H2OConfig(budget=0.1, sink_tokens=4).capacity(20)
+
+
+@pytest.mark.parametrize("max_slots, before, block, reach", [(24, 100, 104, 128), (24, 10, 118, 128),
+                                                             (24, 100, 105, 129), (200, 0, 129, 129)])
+def test_rolling_positions_may_reach_the_models_last_position_and_no_further(max_slots, before, block, reach):
+    """A block after ``before`` tokens rotates its keys up to min(C, before) + block - 1: position 127 of a
+    model with 128 positions is the last one it knows."""
+    from h2o_compile.support import ModelLimits, check_rolling_fits
+
+    limits = ModelLimits(num_layers=1, max_positions=128, windows=(0,), rotary=True)
+    if reach <= 128:
+        check_rolling_fits(limits, max_slots, before, block)
+    else:
+        with pytest.raises(ValueError, match=f"= {reach}, beyond the model's max_position_embeddings=128"):
+            check_rolling_fits(limits, max_slots, before, block)
+    check_rolling_fits(ModelLimits(num_layers=1, max_positions=None, windows=(0,)), max_slots, before, block)
