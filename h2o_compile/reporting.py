@@ -52,14 +52,19 @@ def plot_lines(path: Path, series: dict, *, xlabel: str, ylabel: str, title: str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=label)
     for label, y in (hlines or {}).items():
         ax.axhline(y, linestyle="--", color="gray", label=label)
-    if logx:
+    if logx:  # ticks at the measured xs, written plainly (0.05, not 5 x 10^-2)
         ax.set_xscale("log")
+        ticks = sorted({x for xs, _ in series.values() for x in xs})
+        if ticks:
+            ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
+            ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
@@ -78,6 +83,7 @@ def plot_bars(path: Path, groups: Sequence[str], series: dict, *, ylabel: str, t
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     width = 0.8 / max(1, len(series))
