@@ -41,6 +41,12 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
+def print_report(paths: dict) -> None:
+    """Show a command's markdown report and name every file it wrote (``paths``: kind -> Path)."""
+    print(paths["markdown"].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+
+
 def load_local(path: str, dtype: str = "float32"):
     """(model, tokenizer) from a local folder, a local ``.gguf`` file, or a zoo name (``gemma3-270m``,
     ``tiny``); never from a hub."""
@@ -171,8 +177,7 @@ def cmd_bench(args) -> int:
     if command.startswith("decode.py"):  # benchmarks/decode.py, the wrapper
         command = "python benchmarks/" + command
     paths = write_bench_report(result, out, command)
-    print(paths["markdown"].read_text())
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    print_report(paths)
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..cli import csv_of, load_local, model_name
+from ..cli import csv_of, load_local, model_name, print_report
 from ..config import POLICIES, POSITIONS
 
 
@@ -47,8 +47,7 @@ def cmd_eval(args) -> int:
     paths = write_eval_report(result, args.out, model_name=model_name(args.model),
                               text_names=names,
                               elapsed_s=elapsed)
-    print(paths["markdown"].read_text())
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    print_report(paths)
     return 0
 
 
@@ -85,8 +84,7 @@ def cmd_stream(args) -> int:
                        positions=args.positions, sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
                        on_run=write)
     paths = write(runs)
-    print(paths["markdown"].read_text())
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    print_report(paths)
     return 0
 
 
@@ -101,8 +99,7 @@ def cmd_eval_merge(args) -> int:
     result = merge_runs(runs)
     paths = write_eval_report(result, args.out, model_name=runs[0]["model"], text_names=runs[0]["texts"],
                               elapsed_s=sum(run.get("elapsed_s", 0.0) for run in runs), sources=runs)
-    print(paths["markdown"].read_text())
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    print_report(paths)
     return 0
 
 
