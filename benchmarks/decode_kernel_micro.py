@@ -1,8 +1,8 @@
 """Decode-step microbenchmark: the fused Triton H2O decode vs the reference op vs SDPA.
 
 Contenders, one new token per row against a Llama-7B-like GQA head config (32 query / 8 KV heads, D = 128):
-  triton       torch.ops.h2o.triton_decode_ over C = ceil(budget * context) slots (attention, scores,
-               eviction and the slot write)
+  triton       triton_ops.h2o_attention_ over C = ceil(budget * context) slots (the kernel's attention and
+               per-key mass, then the shared torch bookkeeping: scores, eviction and the slot write)
   reference    reference.h2o_decode_ over the same C slots (plain PyTorch, the executable spec)
   sdpa_budget  F.scaled_dot_product_attention over the C slots (attention only: the speed of light for C)
   sdpa_full    F.scaled_dot_product_attention over the whole context (what a full cache costs)

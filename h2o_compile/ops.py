@@ -49,7 +49,7 @@ def _triton_available() -> bool:
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                  key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
                  recent: int, sinks: int, policy: str, window: int = 0, softcap: float = 0.0,
-                 sink_logits: Optional[Tensor] = None) -> None:
+                 sink_logits: Optional[Tensor] = None, query_from: Optional[Tensor] = None) -> None:
     """Shape / dtype checks with messages that say what was expected (raised as ValueError)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [B, H, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -79,8 +79,9 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opti
     if score_cache.dtype != torch.float32 or pos_cache.dtype != torch.int64:
         raise ValueError(f"score_cache must be float32 and pos_cache int64; got {score_cache.dtype}, "
                          f"{pos_cache.dtype}")
-    if policy not in reference.POLICY_CODES:
-        raise ValueError(f"policy={policy!r}; allowed: {', '.join(reference.POLICY_CODES)}")
+    reference.parse_rule(policy)  # a ValueError names a bad policy or score option
+    if query_from is not None and (tuple(query_from.shape) != (b,) or query_from.dtype != torch.int64):
+        raise ValueError(f"query_from must be int64 [B={b}]; got {query_from.dtype} {tuple(query_from.shape)}")
     if recent < 1 or sinks < 0 or recent + sinks > cap:
         raise ValueError(f"need recent >= 1, sinks >= 0 and recent + sinks <= C={cap}; got recent={recent}, "
                          f"sinks={sinks}")
@@ -95,17 +96,19 @@ def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Option
                key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
                scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
                softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
-               rope_sin: Optional[Tensor] = None) -> Tensor:
+               rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None) -> Tensor:
     """In-place H2O attention over a block of T new tokens. Returns out [B, Hq, T, Dv].
 
     ``window`` (sliding window, 0 = none), ``softcap`` (0 = none) and ``sink_logits`` ([Hq] or None) are the
     layer's attention kind (kernels/reference.py). ``rope_cos``/``rope_sin`` ([B', S, R] rotary tables, or
     None) switch on rolling positions: q, k and the cache are unrotated and rotated by rank at attention time
-    (kernels/rolling.py)."""
+    (kernels/rolling.py). ``policy`` is the eviction rule (kernels/rules.py: a policy name or an
+    ``EvictionRule.spec``); ``query_from`` ([B] int64 or None) is given with the prompt block only."""
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
-                 window, softcap, sink_logits)
+                 window, softcap, sink_logits, query_from)
     state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
-    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits, rope=as_tables(rope_cos, rope_sin))
+    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits, rope=as_tables(rope_cos, rope_sin),
+                query_from=query_from)
     if backend_for(q.device) == "triton":
         from .kernels import triton_ops
 
@@ -117,7 +120,7 @@ def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Option
 
 @attention_.register_fake
 def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
-      policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None):
+      policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None, query_from=None):
     return q.new_empty(q.shape[:3] + (v.shape[3],))
 
 
@@ -126,21 +129,23 @@ def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optiona
               key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
               scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
               softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
-              rope_sin: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+              rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Functional H2O attention: returns (out, key_cache, value_cache, score_cache, pos_cache), all new."""
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
-                 window, softcap, sink_logits)
+                 window, softcap, sink_logits, query_from)
     state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
     out, new = reference.h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
                                        sinks=sinks, policy=policy, seed=seed, window=window, softcap=softcap,
-                                       sink_logits=sink_logits, rope=as_tables(rope_cos, rope_sin))
+                                       sink_logits=sink_logits, rope=as_tables(rope_cos, rope_sin),
+                                       query_from=query_from)
     return (out,) + tuple(x.clone() if x is y else x for x, y in zip(new, state))
 
 
 @attention.register_fake
 def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
       policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None,
-      rope_sin=None):
+      rope_sin=None, query_from=None):
     out = q.new_empty(q.shape[:3] + (v.shape[3],))
     return (out, torch.empty_like(key_cache), torch.empty_like(value_cache), torch.empty_like(score_cache),
             torch.empty_like(pos_cache))
@@ -169,13 +174,13 @@ def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: O
                     key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
                     scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
                     softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
-                    rope_sin: Optional[Tensor] = None) -> Tensor:
+                    rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None) -> Tensor:
     """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: the opaque attention op, then
     reference.evict_and_write_ as plain torch ops that torch.compile fuses into the step's generated code
     (on CPU one loop nest per layer instead of ~25 small eager kernels). Same signature and result as the op;
     the compiled CPU decode graph calls this (passes.fuse_decode_bookkeeping)."""
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
-                 window, softcap, sink_logits)
+                 window, softcap, sink_logits, query_from)
     if q.shape[2] != 1:
         raise ValueError(f"decode_fusable_ takes one token per row (T = 1); got T = {q.shape[2]}")
     valid, new_pos, newest = reference._block_inputs(k, positions, valid)
@@ -185,5 +190,6 @@ def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: O
     out, mass_cache, mass_new = torch.ops.h2o.attend_decode(q_seen, k_seen, v, valid, seen.key_cache, value_cache,
                                                             pos_cache, scale, new_pos, window, softcap, sink_logits)
     reference.evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent,
-                               sinks=sinks, policy=policy, seed=seed, window=window)
+                               sinks=sinks, policy=policy, seed=seed, window=window, positions=positions,
+                               query_from=query_from)
     return out

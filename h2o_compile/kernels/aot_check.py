@@ -1,8 +1,8 @@
 """Compile the Triton kernels for a real GPU target without a GPU (Triton ships ptxas), to catch what the
 interpreter cannot: type errors in lowering, unsupported ops, shared-memory overflows.
 
-    python -m h2o_compile.kernels.aot_check            # every dtype x head shape x policy (108 variants, ~60 s)
-    python -m h2o_compile.kernels.aot_check --quick    # fp16, one head shape, every policy (12 variants)
+    python -m h2o_compile.kernels.aot_check            # every dtype x head shape x kind (72 variants)
+    python -m h2o_compile.kernels.aot_check --quick    # fp16, one head shape, both kinds (8 variants)
 
 Each dtype x head shape also compiles the four kernels once with every attention kind on (sliding window,
 soft-capping, sink logits: the code paths a hybrid layer such as Gemma 2/3's or GPT-OSS's takes).
@@ -22,7 +22,6 @@ from triton.compiler import ASTSource
 
 from . import triton_decode as td
 from . import triton_prefill as tp
-from .reference import POLICY_CODES
 
 _FLOAT_ARGS = ("qk_scale", "scale")
 _PLAIN = dict(WINDOW=0, SOFTCAP=0.0)
@@ -60,10 +59,11 @@ def variants(quick: bool):
             common = dict(HKV=8, G=group, D=d, DV=d, BLOCK_D=block_d, BLOCK_DV=block_d, HAS_VALID=True)
             ptrs = {n: f"*{dt}" for n in ("Q", "K_CACHE", "V_CACHE", "K_NEW", "V_NEW", "OUT")}
             ptrs.update(POS_CACHE="*i64", POSITIONS="*i64", VALID="*i1", LOGITS="*fp32", PART_M="*fp32",
-                        PART_L="*fp32", PART_ACC="*fp32", SCORE="*fp32", SINK_LOGITS=f"*{dt}")
+                        PART_L="*fp32", PART_ACC="*fp32", MASS="*fp32", MASS_NEW="*fp32",
+                        SINK_LOGITS=f"*{dt}")
             partial = dict(common, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block,
                            DOT_PRECISION=precision)
-            finish = dict(common, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=1024, SEED=3)
+            finish = dict(common, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=1024)
             pre = {n: f"*{dt}" for n in ("Q", "KEYS", "VALUES", "OUT", "SINK_LOGITS")}
             pre.update(KPOS="*i64", POSITIONS="*i64", VALID="*i1", LSE="*fp32", MASS="*fp32")
             base = dict(G=group, D=d, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d, HAS_VALID=True,
@@ -73,10 +73,9 @@ def variants(quick: bool):
             for kind, extra, sinks in (("", _PLAIN, False), (" hybrid", _HYBRID, True)):
                 tag = f"{dt} G={group} D={d}{kind}"
                 yield f"decode partial {tag}", td._decode_partial_kernel, ptrs, dict(partial, **extra), 4
-                # The hybrid kind changes the eviction priority the same way for every policy: h2o suffices.
-                for policy, code in POLICY_CODES.items() if not sinks else [("h2o", 0)]:
-                    yield (f"decode finish {tag} {policy}", td._decode_finish_kernel, ptrs,
-                           dict(finish, POLICY=code, HAS_SINKS=sinks, **extra), 8)
+                # The policy is torch code after the kernels (kernels/rules.py): one finish kernel per kind.
+                yield (f"decode finish {tag}", td._decode_finish_kernel, ptrs,
+                       dict(finish, HAS_SINKS=sinks, **extra), 8)
                 yield (f"prefill forward {tag}", tp._prefill_fwd_kernel, pre,
                        dict(forward, HAS_SINKS=sinks, **extra), warps)
                 yield f"prefill mass {tag}", tp._prefill_mass_kernel, pre, dict(base, HKV=8, **extra), warps

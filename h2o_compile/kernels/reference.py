@@ -36,11 +36,9 @@ import torch
 from torch import Tensor
 
 from .rolling import RopeTables, rotate_block
+from .rules import POLICY_CODES, EvictionRule, parse_rule, random_priority  # noqa: F401  (re-exported)
+from .rules import carried_scores, eviction_priority, live_entries, pool_block_scores, query_weights
 
-POLICY_CODES = {"h2o": 0, "local": 1, "sink": 2, "random": 3, "full": 4}
-
-_LEHMER_MOD = 2147483647  # 2^31 - 1, prime: a Lehmer generator over it is a cheap integer hash
-_LEHMER_MUL = 48271
 
 
 class H2OState(NamedTuple):
@@ -61,54 +59,6 @@ def empty_state(batch, kv_heads, capacity, head_dim, *, value_dim=None, dtype=to
         torch.zeros(batch, kv_heads, capacity, dtype=torch.float32, device=device),
         torch.full((batch, kv_heads, capacity), -1, dtype=torch.int64, device=device),
     )
-
-
-def random_priority(pos: Tensor, seed: int) -> Tensor:
-    """Seeded pseudo-random eviction priority of each position, computed with integer ops only so that
-    every backend (Triton, ONNX) can reproduce it bit for bit. [...] int64 -> same shape float32."""
-    x = (pos * 2654435761 + seed * 7919 + 1) % _LEHMER_MOD
-    x = (x * _LEHMER_MUL) % _LEHMER_MOD
-    x = (x * _LEHMER_MUL) % _LEHMER_MOD
-    return x.to(torch.float32)
-
-
-def live_entries(pos: Tensor, newest: Tensor, window: int) -> Tensor:
-    """Entries that hold a token some later query can still see: bool, the shape of ``pos`` [B, Hkv, S].
-
-    Empty slots (-1) are not live, nor, on a sliding-window layer (``window`` > 0), keys that left the window
-    of the newest query t1 (p <= t1 - W). ``newest`` [B, 1, 1] int64."""
-    live = pos >= 0
-    if window > 0:
-        live = live & (pos > newest - window)
-    return live
-
-
-def eviction_priority(
-    policy: str, scores: Tensor, pos: Tensor, newest: Tensor, recent: int, sinks: int, seed: int,
-    window: int = 0,
-) -> Tensor:
-    """How much each entry deserves to stay (larger stays); ties are broken by position outside.
-
-    Args:
-        scores: [B, Hkv, S] fp32 accumulated attention.
-        pos: [B, Hkv, S] int64 positions, -1 for an empty slot.
-        newest: [B, 1, 1] int64, t1 = the newest position of the block in each row.
-        window: sliding window W of the layer, 0 = none.
-    Returns:
-        [B, Hkv, S] fp32: +inf for protected entries (sinks and the recent window), -inf for entries that are
-        not live (empty slots, keys outside the sliding window), which go first whatever their protection.
-    """
-    if policy == "h2o":
-        key = scores
-    elif policy == "random":
-        key = random_priority(pos, seed)
-    elif policy in ("local", "sink", "full"):
-        key = pos.to(torch.float32)  # oldest first; `full` never evicts when sized right
-    else:
-        raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICY_CODES)}")
-    protected = (pos < sinks) | (pos > newest - recent)
-    key = torch.where(protected, torch.full_like(key, float("inf")), key)
-    return torch.where(live_entries(pos, newest, window), key, torch.full_like(key, float("-inf")))
 
 
 def capped_logits(logits: Tensor, softcap: float) -> Tensor:
@@ -133,7 +83,8 @@ _LOGITS_PER_CHUNK = 1 << 22  # fp32 logits held at once by `attend` (16 MiB): qu
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: Tensor,
            query_valid: Tensor, scale: float, new_from: Optional[int] = None, *, window: int = 0,
-           softcap: float = 0.0, sink_logits: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+           softcap: float = 0.0, sink_logits: Optional[Tensor] = None,
+           query_weight: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Masked attention that also returns the probability mass each key received.
 
     Queries are processed in chunks, so the [T, S] probabilities never exist at once. With ``new_from`` (the
@@ -145,9 +96,11 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: 
         q: [B, Hq, T, D]; keys: [B, Hkv, S, D]; values: [B, Hkv, S, Dv]
         key_pos: [B, Hkv, S] int64 (-1 = nothing there); query_pos: [B, T]; query_valid: [B, T] bool.
         window, softcap, sink_logits [Hq]: the layer's attention kind (module docstring).
+        query_weight: [B, T] fp32 or None, what each query's probabilities count in the mass
+            (rules.query_weights); None = 1 for every valid query.
     Returns:
         out [B, Hq, T, Dv] in q's dtype (zeros for invalid queries) and mass [B, Hkv, S] fp32 =
-        sum over valid queries t and query heads g of the group of P_{t,g}(key).
+        sum over valid queries t and query heads g of the group of w_t P_{t,g}(key).
     """
     b, hq, t, d = q.shape
     hkv, s_all = keys.shape[1], keys.shape[2]
@@ -174,7 +127,10 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: 
         probs.masked_fill_(hidden, 0.0)
         outs.append(torch.matmul(probs.view(b, hkv, group * (t1 - t0), s), values[:, :, :s])
                     .view(b, hkv, group, t1 - t0, -1))
-        mass[..., :s] += probs.sum(dim=(2, 3))
+        if query_weight is None:
+            mass[..., :s] += probs.sum(dim=(2, 3))
+        else:
+            mass[..., :s] += (probs.sum(dim=2) * query_weight[:, None, t0:t1, None].float()).sum(dim=2)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)                  # [B, Hkv, G, T, Dv]
     return out.reshape(b, hq, t, values.shape[-1]).to(q.dtype), mass
 
@@ -191,8 +147,8 @@ def _block_inputs(k, positions, valid):
 def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                   state: H2OState, *, scale: float, recent: int, sinks: int, policy: str,
                   seed: int = 0, window: int = 0, softcap: float = 0.0,
-                  sink_logits: Optional[Tensor] = None,
-                  rope: Optional[RopeTables] = None) -> tuple[Tensor, H2OState]:
+                  sink_logits: Optional[Tensor] = None, rope: Optional[RopeTables] = None,
+                  query_from: Optional[Tensor] = None) -> tuple[Tensor, H2OState]:
     """Functional H2O attention over one block of T >= 1 new tokens (the general path).
 
     Args:
@@ -200,15 +156,19 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
         positions: [B, T] int64 true positions of the new tokens.
         valid: [B, T] bool or None; False marks a padding token, which is never attended nor cached.
         state: the layer's cache (C slots).
+        policy: the eviction rule, a policy name or an ``EvictionRule.spec`` (kernels/rules.py).
         window, softcap, sink_logits [Hq] or None: the layer's attention kind (module docstring).
         rope: rotary tables for rolling positions (kernels/rolling.py): q, k and the cache hold unrotated
             vectors, rotated by their rank in the cache for the attention only. None = true positions.
+        query_from: [B] int64 or None; given with the prompt block only: queries before it add no mass, and
+            the rule's prompt pooling applies (kernels/rules.py).
     Returns:
         out [B, Hq, T, Dv] and the new state. The block attends over C + T keys; ``attend`` takes the queries
         in chunks, so a whole prompt (prefill "full") never holds all [B, Hq, T, C + T] probabilities.
     """
     key_cache, value_cache, score_cache, pos_cache = state
     cap = pos_cache.shape[-1]
+    rule = parse_rule(policy)
     valid, new_pos, newest = _block_inputs(k, positions, valid)
     all_keys = torch.cat([key_cache, k.to(key_cache.dtype)], dim=2)             # [B, Hkv, C+T, D]
     all_values = torch.cat([value_cache, v.to(value_cache.dtype)], dim=2)
@@ -216,11 +176,31 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
     q_seen, k_seen, state_seen = rolled_inputs(q, k, valid, state, rope)
     keys_seen = all_keys if rope is None else torch.cat([state_seen.key_cache, k_seen.to(key_cache.dtype)], dim=2)
     out, mass = attend(q_seen, keys_seen, all_values, all_pos, positions, valid, scale, new_from=cap,
-                       window=window, softcap=softcap, sink_logits=sink_logits)
-    all_scores = torch.cat([score_cache, torch.zeros_like(new_pos, dtype=torch.float32)], dim=2) + mass
+                       window=window, softcap=softcap, sink_logits=sink_logits,
+                       query_weight=query_weights(rule, positions, valid, query_from))
+    all_scores = block_scores(rule, score_cache, mass, valid, query_from)
     new_state = compress(H2OState(all_keys, all_values, all_scores, all_pos), newest, cap, recent=recent,
                          sinks=sinks, policy=policy, seed=seed, window=window)
     return out, new_state
+
+
+def block_scores(rule: EvictionRule, score_cache: Tensor, mass: Tensor, valid: Tensor,
+                 query_from: Optional[Tensor]) -> Tensor:
+    """The scores of the C cached entries and the T new ones after a block (step 3 of DESIGN.md section 2,
+    with the rule's decay and prompt pooling); shared by every path that attends over a whole block.
+
+    Args:
+        score_cache: [B, Hkv, C] fp32; mass: [B, Hkv, C+T] fp32, already weighted by rules.query_weights;
+        valid: [B, T] bool; query_from: [B] int64 or None (None: not the prompt, no pooling).
+    Returns:
+        [B, Hkv, C+T] fp32.
+    """
+    cap = score_cache.shape[-1]
+    old = carried_scores(rule, score_cache, valid) + mass[..., :cap]
+    new = mass[..., cap:]
+    if query_from is not None:
+        new = pool_block_scores(rule, new, valid)
+    return torch.cat([old, new], dim=2)
 
 
 def compress(entries: H2OState, newest: Tensor, cap: int, *, recent: int, sinks: int, policy: str,
@@ -239,7 +219,7 @@ def compress(entries: H2OState, newest: Tensor, cap: int, *, recent: int, sinks:
     k = all_keys[:, :, cap:]
     new_pos = all_pos[:, :, cap:]
     # Rank entries by (priority desc, position desc): two stable sorts, position first.
-    priority = eviction_priority(policy, all_scores, all_pos, newest, recent, sinks, seed, window)
+    priority = eviction_priority(parse_rule(policy), all_scores, all_pos, newest, recent, sinks, seed, window)
     by_pos = torch.sort(all_pos, dim=-1, descending=True, stable=True).indices
     order = torch.sort(priority.gather(-1, by_pos), dim=-1, descending=True, stable=True).indices
     ranked = by_pos.gather(-1, order)                                            # entries, best first
@@ -320,7 +300,8 @@ def rolled_inputs(q: Tensor, k: Tensor, valid: Tensor, state: H2OState,
 def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                 state: H2OState, *, scale: float, recent: int, sinks: int, policy: str,
                 seed: int = 0, window: int = 0, softcap: float = 0.0,
-                sink_logits: Optional[Tensor] = None, rope: Optional[RopeTables] = None) -> Tensor:
+                sink_logits: Optional[Tensor] = None, rope: Optional[RopeTables] = None,
+                query_from: Optional[Tensor] = None) -> Tensor:
     """In-place H2O attention for one new token (T = 1): the decode step.
 
     Same result as :func:`h2o_attention` with T = 1, without rebuilding the cache: the new token is written
@@ -334,13 +315,14 @@ def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optio
     out, mass_cache, mass_new = attend_decode(q_seen, k_seen, v, valid, state_seen, scale, new_pos, window=window,
                                               softcap=softcap, sink_logits=sink_logits)
     evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent, sinks=sinks,
-                     policy=policy, seed=seed, window=window)
+                     policy=policy, seed=seed, window=window, positions=positions, query_from=query_from)
     return out
 
 
 def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, newest: Tensor, valid: Tensor,
                      mass_cache: Tensor, mass_new: Tensor, *, recent: int, sinks: int, policy: str,
-                     seed: int = 0, window: int = 0) -> None:
+                     seed: int = 0, window: int = 0, positions: Optional[Tensor] = None,
+                     query_from: Optional[Tensor] = None) -> None:
     """The decode step after attention: add the step's mass to the scores, pick the slot to overwrite and write
     the new token there. Only elementwise ops, reductions and indexing, so that a compiler can fuse it all
     (the compiled CPU decode step runs this as one generated loop nest per layer).
@@ -350,10 +332,16 @@ def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, new
         valid: [B, 1] bool; mass_cache: [B, Hkv, C] and mass_new: [B, Hkv, 1] fp32, from :func:`attend_decode`.
         window: the layer's sliding window (0 = none). With C <= W (how the runtime sizes a sliding layer) at
         most one key leaves the window per step, and it is the one overwritten.
+        positions: [B, 1] int64 and query_from: [B] int64, needed only when a prompt token arrives through
+            this path (a one-token prompt or chunk) under a prompt window (kernels/rules.py).
     """
     key_cache, value_cache, score_cache, pos_cache = state
-    scores = score_cache + mass_cache                                            # [B, Hkv, C]
-    priority = eviction_priority(policy, scores, pos_cache, newest, recent, sinks, seed, window)
+    rule = parse_rule(policy)
+    weight = None if query_from is None else query_weights(rule, positions, valid, query_from)
+    if weight is not None:                                                       # [B, 1]
+        mass_cache, mass_new = mass_cache * weight[:, :, None], mass_new * weight[:, :, None]
+    scores = carried_scores(rule, score_cache, valid) + mass_cache               # [B, Hkv, C]
+    priority = eviction_priority(rule, scores, pos_cache, newest, recent, sinks, seed, window)
     lowest = priority == priority.amin(dim=-1, keepdim=True)
     tie_pos = torch.where(lowest, pos_cache, torch.full_like(pos_cache, torch.iinfo(torch.int64).max))
     slot = tie_pos.argmin(dim=-1).reshape(-1)                                    # [B * Hkv]
@@ -378,9 +366,9 @@ def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, new
 
 
 def h2o_attention_(q, k, v, positions, valid, state: H2OState, *, scale, recent, sinks, policy, seed=0,
-                   window=0, softcap=0.0, sink_logits=None, rope=None):
+                   window=0, softcap=0.0, sink_logits=None, rope=None, query_from=None):
     """In-place H2O attention: the decode fast path for T = 1, else the general path copied back."""
-    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits, rope=rope)
+    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits, rope=rope, query_from=query_from)
     if q.shape[2] == 1:
         return h2o_decode_(q, k, v, positions, valid, state, scale=scale, recent=recent, sinks=sinks,
                            policy=policy, seed=seed, **kind)

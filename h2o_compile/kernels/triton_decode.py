@@ -1,20 +1,22 @@
-"""Triton decode step (T = 1) of H2O attention: split-K attention, then scores, eviction and the slot write.
+"""Triton decode step (T = 1) of H2O attention: split-K attention and the per-key probability mass.
 
-Same result as ``reference.h2o_decode_`` (see there and DESIGN.md section 2), in two launches:
+The attention half of ``reference.h2o_decode_`` (``reference.attend_decode``: output and mass), in two launches;
+the scores, the eviction choice and the slot write are ``reference.evict_and_write_``, the torch code every
+backend shares (kernels/rules.py), which Inductor fuses into the compiled decode step:
 
 1. ``_decode_partial_kernel``, grid (splits, B * Hkv): the G query heads of a KV group against one split of
    the C cached slots (flash-decoding). Writes the split's running max / sum of exponentials / unnormalised
    output, and every slot's logit to a small fp32 scratch (G x C floats is far cheaper to re-read than the
    keys, which are D x 2 bytes per slot per head).
 2. ``_decode_finish_kernel``, grid (B * Hkv,): merges the splits and the new token (a one-key split) into the
-   global log-sum-exp and the output, turns the stored logits into probabilities with that global LSE, adds
-   their sum over the group to the scores, picks the slot to evict (lowest (priority, position, slot)) and
-   writes the new key / value / position / score there. No host sync, so a CUDA graph can capture both.
+   global log-sum-exp and the output, turns the stored logits into probabilities with that global LSE and
+   writes their sum over the group (the mass of every slot, and of the new key). No host sync, so a CUDA graph
+   can capture both.
 
 Logits are kept in base 2 (scale folded with log2(e)) so the kernels use exp2.
 
 The layer's attention kind (reference.py's module docstring) is compiled in: ``WINDOW`` (sliding window, 0 =
-off) hides the slots at or before t - W and makes them the first to be evicted; ``SOFTCAP`` (the cap in base-2
+off) hides the slots at or before t - W; ``SOFTCAP`` (the cap in base-2
 units, c x log2 e; 0 = off) caps every logit; ``HAS_SINKS`` adds the query head's sink logit to the softmax
 denominator, once, in the merge of the finish kernel (a per-split sink would be counted once per split).
 """
@@ -31,7 +33,6 @@ LOG2E = 1.0 / math.log(2.0)
 # A finite "minus infinity" for masked logits: max/exp2 over it never produces NaN, even for a row that
 # sees nothing (a padding token), which then ends with sum 0 and is zeroed explicitly.
 NEG = tl.constexpr(-1.0e30)
-INT64_MAX = tl.constexpr(2**63 - 1)
 LOG2E_K = tl.constexpr(LOG2E)  # the same constant, readable inside kernels
 
 
@@ -84,13 +85,6 @@ def _visible_slots(kpos, qpos, qvalid, n_mask, WINDOW: tl.constexpr):
     if WINDOW > 0:
         vis = vis & (kpos > qpos - WINDOW)
     return vis
-
-
-@triton.jit
-def python_mod(x, m):
-    """x mod m with the sign of m, like torch and Python (Triton's `%` truncates like C)."""
-    r = x % m
-    return tl.where(r < 0, r + m, r)
 
 
 @triton.jit
@@ -156,51 +150,20 @@ def _decode_partial_kernel(
 
 
 @triton.jit
-def _eviction_priority(score, pos, newest, RECENT, SINKS, POLICY: tl.constexpr, SEED: tl.constexpr,
-                       WINDOW: tl.constexpr):
-    """reference.eviction_priority for one block of slots; policy codes as reference.POLICY_CODES."""
-    if POLICY == 0:
-        key = score
-    elif POLICY == 3:
-        # reference.random_priority in int64; the constants are typed explicitly because a literal above
-        # 2^31 would otherwise become uint32, and `%` is made Python-like (non-negative) as in torch.
-        mod = tl.full(pos.shape, 2147483647, tl.int64)
-        mul = tl.full(pos.shape, 48271, tl.int64)
-        x = pos.to(tl.int64) * tl.full(pos.shape, 2654435761, tl.int64) + (SEED * 7919 + 1)
-        x = python_mod(x, mod)
-        x = (x * mul) % mod
-        x = (x * mul) % mod
-        key = x.to(tl.float32)
-    else:
-        key = pos.to(tl.float32)
-    protected = (pos < SINKS) | (pos > newest - RECENT)
-    key = tl.where(protected, float("inf"), key)
-    # Not live (empty, or out of the sliding window for good): goes first, whatever its protection.
-    live = pos >= 0
-    if WINDOW > 0:
-        live = live & (pos > newest - WINDOW)
-    return tl.where(live, key, float("-inf"))
-
-
-@triton.jit
 def _decode_finish_kernel(
     Q, K_NEW, V_NEW, POSITIONS, VALID, SINK_LOGITS,
-    LOGITS, PART_M, PART_L, PART_ACC, OUT,
-    K_CACHE, V_CACHE, SCORE, POS_CACHE,
+    LOGITS, PART_M, PART_L, PART_ACC, OUT, MASS, MASS_NEW,
+    K_CACHE, V_CACHE, POS_CACHE,
     stride_qb, stride_qh, stride_qd,
     stride_knb, stride_knh, stride_knd,
     stride_vnb, stride_vnh, stride_vnd,
     stride_ob, stride_oh, stride_od,
-    stride_kb, stride_kh, stride_kc, stride_kd,
-    stride_vb, stride_vh, stride_vc, stride_vd,
-    stride_sb, stride_sh, stride_sc,
     stride_pb, stride_ph, stride_pc,
     stride_posb, stride_validb, stride_sink,
-    C, NUM_SPLITS, qk_scale, RECENT, SINKS,
+    C, NUM_SPLITS, qk_scale,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_VALID: tl.constexpr, POLICY: tl.constexpr, SEED: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_VALID: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     tl.static_assert(BLOCK_G >= G)
     tl.static_assert(BLOCK_N >= 16)
@@ -255,45 +218,19 @@ def _decode_finish_kernel(
     lse = m_i + tl.log2(tl.where(seen, l_i, 1.0))                                  # [BLOCK_G], base 2
     # A padding row has lse = NEG: mask before exp2 so nothing overflows.
     mass_new = tl.sum(tl.exp2(tl.where(tl.where(vis_new, g_mask, False), s_new - lse, NEG)), 0)
+    tl.store(MASS_NEW + pid_bh, mass_new)
 
-    # Scores += mass, and the running lexicographic minimum of (priority, position, slot).
-    newest = tl.where(qvalid, qpos, -1)
-    best_p = float("inf")
-    best_pos = INT64_MAX
-    best_slot = 0
+    # The mass of every cached slot: the stored logits against the global LSE, summed over the group.
     row = (pid_bh * G + offs_g).to(tl.int64) * C
     for n0 in range(0, C, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < C
         pos = tl.load(POS_CACHE + b * stride_pb + h * stride_ph + offs_n * stride_pc, mask=n_mask, other=-1)
-        score = tl.load(SCORE + b * stride_sb + h * stride_sh + offs_n * stride_sc, mask=n_mask, other=0.0)
         lg = tl.load(LOGITS + row[:, None] + offs_n[None, :], mask=g_mask[:, None] & n_mask[None, :],
                      other=NEG)
         vis = _visible_slots(pos, qpos, qvalid, n_mask, WINDOW)
         p = tl.where(vis[None, :] & g_mask[:, None], tl.exp2(lg - lse[:, None]), 0.0)
-        score = score + tl.sum(p, 0)
-        tl.store(SCORE + b * stride_sb + h * stride_sh + offs_n * stride_sc, score, mask=n_mask)
-        prio = _eviction_priority(score, pos, newest, RECENT, SINKS, POLICY, SEED, WINDOW)
-        prio = tl.where(n_mask, prio, float("inf"))
-        pos_key = tl.where(n_mask, pos, INT64_MAX)
-        blk_p = tl.min(prio, 0)
-        cand = prio == blk_p
-        blk_pos = tl.min(tl.where(cand, pos_key, INT64_MAX), 0)
-        blk_slot = tl.min(tl.where(cand & (pos_key == blk_pos), offs_n, C + BLOCK_N), 0)
-        # Blocks come in increasing slot order, so an equal (priority, position) keeps the earlier slot.
-        better = (blk_p < best_p) | ((blk_p == best_p) & (blk_pos < best_pos))
-        best_p = tl.where(better, blk_p, best_p)
-        best_pos = tl.where(better, blk_pos, best_pos)
-        best_slot = tl.where(better, blk_slot, best_slot)
-
-    # The score of the chosen slot was stored above by some thread of this program: order the overwrite.
-    tl.debug_barrier()
-    tl.store(K_CACHE + b * stride_kb + h * stride_kh + best_slot * stride_kc + offs_d * stride_kd, k_new,
-             mask=tl.where(qvalid, d_mask, False))
-    tl.store(V_CACHE + b * stride_vb + h * stride_vh + best_slot * stride_vc + offs_dv * stride_vd, v_new,
-             mask=tl.where(qvalid, dv_mask, False))
-    tl.store(POS_CACHE + b * stride_pb + h * stride_ph + best_slot * stride_pc, qpos, mask=qvalid)
-    tl.store(SCORE + b * stride_sb + h * stride_sh + best_slot * stride_sc, mass_new, mask=qvalid)
+        tl.store(MASS + pid_bh.to(tl.int64) * C + offs_n, tl.sum(p, 0), mask=n_mask)
 
 
 def decode_config(cap: int, batch_heads: int, dtype: torch.dtype, device: torch.device,
@@ -322,20 +259,18 @@ def decode_config(cap: int, batch_heads: int, dtype: torch.dtype, device: torch.
     return dict(BLOCK_N=block_n, FINISH_BLOCK_N=finish_n, SPLIT_N=split, num_splits=triton.cdiv(cap, split))
 
 
-def decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, *, scale: float,
-            recent: int, sinks: int, policy_code: int, seed: int, split_size: int = 0, window: int = 0,
-            softcap: float = 0.0, sink_logits=None) -> torch.Tensor:
-    """In-place H2O decode step; the contract of ``reference.h2o_decode_``.
+def decode_attend(q, k, v, positions, valid, key_cache, value_cache, pos_cache, *, scale: float,
+                  split_size: int = 0, window: int = 0, softcap: float = 0.0, sink_logits=None):
+    """The attention of one new token per row, and the mass every key received: ``reference.attend_decode``.
 
     Args:
         q: [B, Hq, 1, D]; k: [B, Hkv, 1, D]; v: [B, Hkv, 1, Dv] (fp32 / fp16 / bf16).
-        positions: [B, 1] int64; valid: [B, 1] bool or None (False: the row's cache stays untouched).
-        key_cache: [B, Hkv, C, D]; value_cache: [B, Hkv, C, Dv]; score_cache: [B, Hkv, C] fp32;
-        pos_cache: [B, Hkv, C] int64 -- all updated in place.
-        policy_code: reference.POLICY_CODES[policy]. split_size: slots per split, 0 = chosen from the shapes.
+        positions: [B, 1] int64; valid: [B, 1] bool or None (False: zero output and zero mass).
+        key_cache: [B, Hkv, C, D]; value_cache: [B, Hkv, C, Dv]; pos_cache: [B, Hkv, C] int64 (read only).
+        split_size: slots per split, 0 = chosen from the shapes.
         window (0 = none), softcap (0 = none), sink_logits [Hq] or None: the layer's attention kind.
     Returns:
-        out [B, Hq, 1, Dv] in q's dtype.
+        out [B, Hq, 1, Dv] in q's dtype, mass over the cache [B, Hkv, C] and on the new key [B, Hkv, 1] (fp32).
     """
     from torch.library import wrap_triton
 
@@ -352,6 +287,8 @@ def decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_
     part_l = torch.empty(b * hkv, splits, group, **f32)
     part_acc = torch.empty(b * hkv, splits, group, dv, **f32)
     out = torch.empty(b, hq, 1, dv, device=q.device, dtype=q.dtype)
+    mass = torch.empty(b, hkv, cap, **f32)
+    mass_new = torch.empty(b, hkv, 1, **f32)
     has_valid = valid is not None
     valid_t = valid if has_valid else positions  # never read when has_valid is False
     has_sinks = sink_logits is not None
@@ -372,17 +309,16 @@ def decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_
     )
     wrap_triton(_decode_finish_kernel)[(b * hkv,)](
         q, k, v, positions, valid_t, sinks_t,
-        logits, part_m, part_l, part_acc, out,
-        key_cache, value_cache, score_cache, pos_cache,
+        logits, part_m, part_l, part_acc, out, mass, mass_new,
+        key_cache, value_cache, pos_cache,
         q.stride(0), q.stride(1), q.stride(3),
         k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3),
         out.stride(0), out.stride(1), out.stride(3),
-        *key_cache.stride(), *value_cache.stride(), *score_cache.stride(), *pos_cache.stride(),
+        *pos_cache.stride(),
         positions.stride(0), valid_t.stride(0), sinks_t.stride(0),
-        cap, splits, qk_scale, recent, sinks,
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_N=cfg["FINISH_BLOCK_N"], POLICY=policy_code, SEED=seed,
-        HAS_SINKS=has_sinks,
+        cap, splits, qk_scale,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_N=cfg["FINISH_BLOCK_N"], HAS_SINKS=has_sinks,
         num_warps=8 if cfg["FINISH_BLOCK_N"] >= 512 else 4, **blocks,
     )
-    return out
+    return out, mass, mass_new

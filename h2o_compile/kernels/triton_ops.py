@@ -3,7 +3,8 @@
 ``triton_op`` (not ``custom_op``) so that Inductor sees the kernels (``wrap_triton``) and keeps them inside a
 compiled graph, and CUDA graphs capture them with the rest of the decode step:
 
-- ``torch.ops.h2o.triton_decode_``: one new token, cache updated in place (kernels/triton_decode.py).
+- ``torch.ops.h2o.triton_decode_attend``: one new token per row against the cache: output and per-key mass
+  (kernels/triton_decode.py); scores, eviction and the slot write are then ``reference.evict_and_write_``.
 - ``torch.ops.h2o.triton_prefill``: attention of a block over (cache + block) and the per-key mass
   (kernels/triton_prefill.py); eviction down to C is then ``reference.compress`` in torch ops.
 
@@ -24,39 +25,46 @@ from torch.library import triton_op
 
 from . import reference
 from .rolling import RopeTables
-from .triton_decode import decode_
+from .triton_decode import decode_attend
 from .triton_prefill import prefill_attend
 
 
-@triton_op("h2o::triton_decode_", mutates_args=("key_cache", "value_cache", "score_cache", "pos_cache"))
-def triton_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
-                   key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
-                   scale: float, recent: int, sinks: int, policy: str, seed: int, split_size: int = 0,
-                   window: int = 0, softcap: float = 0.0, sink_logits: Optional[Tensor] = None) -> Tensor:
-    """Decode step in place; shapes as ``triton_decode.decode_``. split_size 0 = chosen from the shapes."""
-    return decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale=scale,
-                   recent=recent, sinks=sinks, policy_code=reference.POLICY_CODES[policy], seed=seed,
-                   split_size=split_size, window=window, softcap=softcap, sink_logits=sink_logits)
+@triton_op("h2o::triton_decode_attend", mutates_args=())
+def triton_decode_attend(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
+                         key_cache: Tensor, value_cache: Tensor, pos_cache: Tensor, scale: float, split_size: int = 0,
+                         window: int = 0, softcap: float = 0.0, sink_logits: Optional[Tensor] = None
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """(out [B, Hq, 1, Dv], mass over the cache [B, Hkv, C], mass on the new key [B, Hkv, 1]); shapes as
+    ``triton_decode.decode_attend``. split_size 0 = chosen from the shapes."""
+    return decode_attend(q, k, v, positions, valid, key_cache, value_cache, pos_cache, scale=scale,
+                         split_size=split_size, window=window, softcap=softcap, sink_logits=sink_logits)
 
 
 @triton_op("h2o::triton_prefill", mutates_args=())
 def triton_prefill(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, positions: Tensor,
                    valid: Optional[Tensor], scale: float, cache_len: int, window: int = 0, softcap: float = 0.0,
-                   sink_logits: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                   sink_logits: Optional[Tensor] = None, query_weight: Optional[Tensor] = None
+                   ) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, T, Dv], mass [B, Hkv, C+T] fp32); shapes as ``triton_prefill.prefill_attend``."""
     return prefill_attend(q, keys, values, key_pos, positions, valid, scale=scale, cache_len=cache_len,
-                          window=window, softcap=softcap, sink_logits=sink_logits)
+                          window=window, softcap=softcap, sink_logits=sink_logits, query_weight=query_weight)
 
 
 def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                    state: reference.H2OState, *, scale: float, recent: int, sinks: int, policy: str,
                    seed: int = 0, window: int = 0, softcap: float = 0.0, sink_logits: Optional[Tensor] = None,
-                   rope: Optional[RopeTables] = None, split_size: int = 0) -> Tensor:
+                   rope: Optional[RopeTables] = None, query_from: Optional[Tensor] = None,
+                   split_size: int = 0) -> Tensor:
     """In-place H2O attention with the Triton kernels; the contract of ``reference.h2o_attention_``.
+
+    The kernels compute the attention and each key's mass; the scores, the eviction and the writes are the
+    reference's torch code (``evict_and_write_`` for a decode step, ``block_scores`` + ``compress`` for a
+    block), so every rule is written once (kernels/rules.py).
 
     Args:
         q: [B, Hq, T, D]; k: [B, Hkv, T, D]; v: [B, Hkv, T, Dv]; positions: [B, T] int64;
         valid: [B, T] bool or None; state: the layer's cache (C slots), updated in place.
+        policy: the eviction rule (kernels/rules.py); query_from: [B] int64 or None (the prompt block only).
         window, softcap, sink_logits [Hq] or None: the layer's attention kind (reference.py).
         rope: rotary tables for rolling positions (kernels/rolling.py), None = true positions. The kernels
             read rotated copies of q, k and the cached keys; the cache keeps the unrotated keys.
@@ -66,34 +74,28 @@ def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Op
     """
     key_cache, value_cache, score_cache, pos_cache = state
     b, hkv, t, _ = k.shape
+    rule = reference.parse_rule(policy)
     if valid is None:
         valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
     q_seen, k_seen, seen = reference.rolled_inputs(q, k, valid, state, rope)
-    if q.shape[2] == 1:
-        if rope is None:
-            return torch.ops.h2o.triton_decode_(q, k, v, positions, valid, key_cache, value_cache, score_cache,
-                                                pos_cache, scale, recent, sinks, policy, seed, split_size, window,
-                                                softcap, sink_logits)
-        # The kernel writes the rotated new key into the rotated copy; the cache gets the unrotated one in the
-        # slot the kernel chose (the one now holding the new position).
-        out = torch.ops.h2o.triton_decode_(q_seen, k_seen, v, positions, valid, seen.key_cache, value_cache,
-                                           score_cache, pos_cache, scale, recent, sinks, policy, seed, split_size,
-                                           window, softcap, sink_logits)
-        written = (pos_cache == positions[:, None, :]) & valid[:, None, :]                 # [B, Hkv, C]
-        slot = written.to(torch.int8).argmax(-1, keepdim=True)[..., None].expand(-1, -1, 1, k.shape[-1])
-        old = key_cache.gather(2, slot)                                                   # [B, Hkv, 1, D]
-        key_cache.scatter_(2, slot, torch.where(written.any(-1)[..., None, None], k.to(key_cache.dtype), old))
+    _, new_pos, newest = reference._block_inputs(k, positions, valid)
+    if t == 1:
+        out, mass_cache, mass_new = torch.ops.h2o.triton_decode_attend(
+            q_seen, k_seen, v, positions, valid, seen.key_cache, value_cache, pos_cache, scale, split_size, window,
+            softcap, sink_logits)
+        reference.evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent,
+                                   sinks=sinks, policy=policy, seed=seed, window=window, positions=positions,
+                                   query_from=query_from)
         return out
     cap = pos_cache.shape[-1]
-    new_pos = torch.where(valid, positions, torch.full_like(positions, -1))           # [B, T]
-    newest = new_pos.amax(dim=1).view(b, 1, 1)
     all_keys = torch.cat([key_cache, k.to(key_cache.dtype)], dim=2)                   # [B, Hkv, C+T, D]
     all_values = torch.cat([value_cache, v.to(value_cache.dtype)], dim=2)
-    all_pos = torch.cat([pos_cache, new_pos[:, None, :].expand(b, hkv, t)], dim=2)    # [B, Hkv, C+T]
+    all_pos = torch.cat([pos_cache, new_pos], dim=2)                                  # [B, Hkv, C+T]
     keys_seen = all_keys if rope is None else torch.cat([seen.key_cache, k_seen.to(key_cache.dtype)], dim=2)
     out, mass = torch.ops.h2o.triton_prefill(q_seen, keys_seen, all_values, all_pos, positions, valid, scale, cap,
-                                             window, softcap, sink_logits)
-    all_scores = torch.cat([score_cache, score_cache.new_zeros(b, hkv, t)], dim=2) + mass
+                                             window, softcap, sink_logits,
+                                             reference.query_weights(rule, positions, valid, query_from))
+    all_scores = reference.block_scores(rule, score_cache, mass, valid, query_from)
     new_state = reference.compress(reference.H2OState(all_keys, all_values, all_scores, all_pos), newest, cap,
                                    recent=recent, sinks=sinks, policy=policy, seed=seed, window=window)
     for buf, new in zip(state, new_state):

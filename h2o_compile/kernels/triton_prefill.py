@@ -196,7 +196,7 @@ def _prefill_mass_kernel(
 
 
 def prefill_attend(q, keys, values, key_pos, positions, valid, *, scale: float, cache_len: int, window: int = 0,
-                   softcap: float = 0.0, sink_logits=None):
+                   softcap: float = 0.0, sink_logits=None, query_weight=None):
     """Attention of a block over (cache + block) and the probability mass every key received.
 
     Args:
@@ -204,9 +204,11 @@ def prefill_attend(q, keys, values, key_pos, positions, valid, *, scale: float, 
         key_pos: [B, Hkv, C+T] int64, -1 = nothing there (empty slot or padding token).
         positions: [B, T] int64 query positions; valid: [B, T] bool or None. cache_len: C.
         window (0 = none), softcap (0 = none), sink_logits [Hq] or None: the layer's attention kind.
+        query_weight: [B, T] fp32 or None, what each query's probabilities count in the mass
+            (kernels/rules.py); None = 1 for every valid query.
     Returns:
         out [B, Hq, T, Dv] in q's dtype (zeros for invalid queries) and mass [B, Hkv, C+T] fp32 = sum over
-        valid queries and the group's query heads of each key's probability (``reference.attend``'s mass).
+        valid queries and the group's query heads of each key's weighted probability (``reference.attend``).
     """
     from torch.library import wrap_triton
 
@@ -236,6 +238,10 @@ def prefill_attend(q, keys, values, key_pos, positions, valid, *, scale: float, 
         cache_len, t, qk_scale,
         HQ=hq, DV=dv, BLOCK_DV=triton.next_power_of_2(dv), HAS_SINKS=has_sinks, **common,
     )
+    if query_weight is not None:
+        # w x exp2(s - lse) = exp2(s - (lse - log2 w)): the weights fold into the LSE the mass kernel reads,
+        # and a weight of 0 becomes an LSE of +inf, whose probabilities are exactly 0.
+        lse = (lse.view(b, hq, t) - torch.log2(query_weight.float())[:, None, :]).view(b * hq, t)
     wrap_triton(_prefill_mass_kernel)[(triton.cdiv(n_total, block), b * hkv)](
         q, keys, key_pos, positions, valid_t, lse, mass,
         *q.stride(), *keys.stride(), *key_pos.stride(),

@@ -182,7 +182,8 @@ def test_decode_step_replays_in_cuda_graph():
 
 @pytest.mark.skipif(not HAS_CUDA, reason="Inductor emits Triton only for CUDA")
 def test_decode_op_compiles_without_graph_breaks():
-    """torch.compile(fullgraph=True) keeps the triton_op inside the graph and computes the same thing."""
+    """torch.compile(fullgraph=True) keeps the triton_op and the torch bookkeeping in one graph, with the same
+    result."""
     device = torch.device("cuda")
     b, hq, hkv, d, cap = 2, 16, 4, 64, 100
     gen = torch.Generator().manual_seed(6)
@@ -190,8 +191,9 @@ def test_decode_op_compiles_without_graph_breaks():
     got = reference.empty_state(b, hkv, cap, d, dtype=torch.bfloat16, device=device)
 
     def step(q, k, v, positions, kc, vc, sc, pc):
-        return torch.ops.h2o.triton_decode_(q, k, v, positions, None, kc, vc, sc, pc, d ** -0.5, 10, 2, "h2o",
-                                            0, 0)
+        state = reference.H2OState(kc, vc, sc, pc)
+        return triton_ops.h2o_attention_(q, k, v, positions, None, state, scale=d ** -0.5, recent=10, sinks=2,
+                                         policy="h2o")
 
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)

@@ -1,0 +1,191 @@
+"""The eviction rule, written once in torch: how a block's attention mass becomes scores, and which entry goes.
+
+Every torch path calls these functions: the reference op (kernels/reference.py), the compiled CPU decode step
+(ops.decode_fusable_, fused by Inductor) and the bookkeeping around the Triton kernels (kernels/triton_ops.py),
+whose kernels only return the attention output and the per-key mass. The ONNX function
+(export/onnx_function.py) is the one other copy, in ONNX ops. DESIGN.md section 2 ("Score rules") states them.
+
+A rule travels through the op boundary as a string (custom ops take primitive arguments only),
+:attr:`EvictionRule.spec`: a policy name (``"h2o"``, the paper's rule, and every rule before score options
+existed) optionally followed by options, e.g. ``"h2o;score=mean"`` or ``"h2o;decay=0.9;pool=5"``.
+
+Score rules of policy ``h2o`` (the eviction key):
+
+    score="sum"   priority A[p], the paper's accumulated attention.
+    score="mean"  priority A[p] / (newest - p + 1): the mass per query that could see p (its lifetime).
+    decay=g       a block of T queries t0..t1 updates A = g^T A + sum_t g^(t1 - t) mass_t (0^0 = 1), so one
+                  block or T single tokens give the same A; g = 1 is the paper, g = 0 keeps the newest query
+                  only (TOVA).
+    pool=k        (odd) once the prompt is in, the prompt keys' A becomes its mean over the k neighbouring
+                  prompt positions (fewer at the ends), SnapKV's pooling.
+
+Which prompt queries add mass (SnapKV's observation window) is a run-time input of the op, ``query_from``
+[B] int64: a query at a position below it adds nothing. The runtime passes it with the prompt block only; a
+given ``query_from`` is also what marks a block as the prompt for pooling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+POLICY_CODES = {"h2o": 0, "local": 1, "sink": 2, "random": 3, "full": 4}
+SCORES = ("sum", "mean")
+
+_LEHMER_MOD = 2147483647  # 2^31 - 1, prime: a Lehmer generator over it is a cheap integer hash
+_LEHMER_MUL = 48271
+
+
+@dataclass(frozen=True)
+class EvictionRule:
+    """Policy plus the score options of policy ``h2o``; validated on construction (ValueError)."""
+
+    policy: str = "h2o"
+    score: str = "sum"
+    decay: float = 1.0
+    pool: int = 1
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICY_CODES:
+            raise ValueError(f"policy={self.policy!r}; allowed: {', '.join(POLICY_CODES)}")
+        if self.score not in SCORES:
+            raise ValueError(f"score={self.score!r}; allowed: {', '.join(map(repr, SCORES))}")
+        if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not 0.0 <= self.decay <= 1.0:
+            raise ValueError(f"score_decay={self.decay!r} must be a number in [0, 1] (1 = no decay)")
+        if isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 1 or self.pool % 2 == 0:
+            raise ValueError(f"prompt_pool={self.pool!r} must be an odd int >= 1 (1 = no pooling)")
+        if self.score == "mean" and self.decay < 1.0:
+            raise ValueError(f"score='mean' divides by the key's lifetime, which a decay already discounts; "
+                             f"score_decay={self.decay!r} must be 1 with it")
+        if self.policy != "h2o" and (self.score, self.decay, self.pool) != ("sum", 1.0, 1):
+            raise ValueError(f"score, score_decay and prompt_pool are options of policy='h2o'; "
+                             f"policy={self.policy!r} does not read scores")
+
+    @property
+    def reads_mass(self) -> bool:
+        """Whether eviction reads the attention mass at all (only ``h2o`` does; the others skip it)."""
+        return self.policy == "h2o"
+
+    @property
+    def spec(self) -> str:
+        """The string form the ops take; the bare policy name when every option is the paper's."""
+        options = [f"score={self.score}"] * (self.score != "sum") + [f"decay={self.decay!r}"] * (self.decay != 1.0)
+        options += [f"pool={self.pool}"] * (self.pool != 1)
+        return ";".join([self.policy] + options)
+
+
+def parse_rule(spec: str) -> EvictionRule:
+    """``EvictionRule.spec`` -> the rule; a ValueError names a malformed spec. (Not cached: a few string
+    operations, which dynamo evaluates once while tracing.)"""
+    policy, *options = spec.split(";")
+    fields = {}
+    for option in options:
+        name, _, value = option.partition("=")
+        if name == "score":
+            fields["score"] = value
+        elif name == "decay":
+            fields["decay"] = float(value)
+        elif name == "pool":
+            fields["pool"] = int(value)
+        else:
+            raise ValueError(f"eviction rule {spec!r}: unknown option {option!r}; allowed: score=, decay=, pool=")
+    return EvictionRule(policy, **fields)
+
+
+def random_priority(pos: Tensor, seed: int) -> Tensor:
+    """Seeded pseudo-random eviction priority of each position, computed with integer ops only so that
+    every backend (Triton, ONNX) can reproduce it bit for bit. [...] int64 -> same shape float32."""
+    x = (pos * 2654435761 + seed * 7919 + 1) % _LEHMER_MOD
+    x = (x * _LEHMER_MUL) % _LEHMER_MOD
+    x = (x * _LEHMER_MUL) % _LEHMER_MOD
+    return x.to(torch.float32)
+
+
+def live_entries(pos: Tensor, newest: Tensor, window: int) -> Tensor:
+    """Entries that hold a token some later query can still see: bool, the shape of ``pos`` [B, Hkv, S].
+
+    Empty slots (-1) are not live, nor, on a sliding-window layer (``window`` > 0), keys that left the window
+    of the newest query t1 (p <= t1 - W). ``newest`` [B, 1, 1] int64."""
+    live = pos >= 0
+    if window > 0:
+        live = live & (pos > newest - window)
+    return live
+
+
+def eviction_priority(rule: EvictionRule, scores: Tensor, pos: Tensor, newest: Tensor, recent: int, sinks: int,
+                      seed: int, window: int = 0) -> Tensor:
+    """How much each entry deserves to stay (larger stays); ties are broken by position outside.
+
+    Args:
+        scores: [B, Hkv, S] fp32 accumulated attention.
+        pos: [B, Hkv, S] int64 positions, -1 for an empty slot.
+        newest: [B, 1, 1] int64, t1 = the newest position of the block in each row.
+        window: sliding window W of the layer, 0 = none.
+    Returns:
+        [B, Hkv, S] fp32: +inf for protected entries (sinks and the recent window), -inf for entries that are
+        not live (empty slots, keys outside the sliding window), which go first whatever their protection.
+    """
+    if rule.policy == "h2o":
+        key = scores if rule.score == "sum" else scores / (newest - pos + 1).clamp(min=1).to(torch.float32)
+    elif rule.policy == "random":
+        key = random_priority(pos, seed)
+    else:
+        key = pos.to(torch.float32)  # local, sink: oldest first; `full` never evicts when sized right
+    protected = (pos < sinks) | (pos > newest - recent)
+    key = torch.where(protected, torch.full_like(key, float("inf")), key)
+    return torch.where(live_entries(pos, newest, window), key, torch.full_like(key, float("-inf")))
+
+
+def query_weights(rule: EvictionRule, positions: Tensor, valid: Tensor, query_from: Optional[Tensor]
+                  ) -> Optional[Tensor]:
+    """How much each query's attention adds to the scores: [B, T] fp32, or None when every valid query adds
+    its mass as it is (the paper's rule, and every policy that does not read scores).
+
+    Args:
+        positions: [B, T] int64; valid: [B, T] bool; query_from: [B] int64 or None (module docstring).
+    Returns:
+        w[b, t] = valid x (positions >= query_from) x decay^(t1 - t), t1 the row's newest valid position.
+    """
+    if not rule.reads_mass or (rule.decay == 1.0 and query_from is None):
+        return None
+    weights = valid.to(torch.float32)
+    if query_from is not None:
+        weights = weights * (positions >= query_from[:, None]).to(torch.float32)
+    if rule.decay != 1.0:
+        newest = torch.where(valid, positions, torch.full_like(positions, -1)).amax(dim=1, keepdim=True)
+        age = (newest - positions).clamp(min=0).to(torch.float32)                   # [B, T]
+        weights = weights * torch.pow(torch.full_like(age, rule.decay), age)       # 0^0 = 1
+    return weights
+
+
+def carried_scores(rule: EvictionRule, scores: Tensor, valid: Tensor) -> Tensor:
+    """The cached scores [B, Hkv, C] carried into a block of ``valid`` [B, T] queries: decay^(valid count of
+    the row) x A, or A itself without decay."""
+    if rule.decay == 1.0 or not rule.reads_mass:
+        return scores
+    steps = valid.sum(dim=1).to(torch.float32).view(-1, 1, 1)                      # [B, 1, 1]
+    return scores * torch.pow(torch.full_like(steps, rule.decay), steps)
+
+
+def pool_block_scores(rule: EvictionRule, scores: Tensor, new_valid: Tensor) -> Tensor:
+    """SnapKV's pooling of the prompt keys' scores: the mean over the k neighbouring valid block entries.
+
+    Args:
+        scores: [B, Hkv, T] fp32 of the block's own keys (positions increase along T, padding at the left).
+        new_valid: [B, T] bool.
+    Returns:
+        [B, Hkv, T]; the scores as they are when ``rule.pool`` is 1.
+    """
+    if rule.pool == 1 or not rule.reads_mass:
+        return scores
+    b, hkv, t = scores.shape
+    mask = new_valid.to(scores.dtype)[:, None, :].expand(b, hkv, t).reshape(b * hkv, 1, t)
+    ones = scores.new_ones(1, 1, rule.pool)
+    half = rule.pool // 2
+    total = F.conv1d(scores.reshape(b * hkv, 1, t) * mask, ones, padding=half)
+    count = F.conv1d(mask, ones, padding=half).clamp(min=1.0)
+    return (total / count).view(b, hkv, t)
