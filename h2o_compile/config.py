@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from .kernels.rules import SCORES, EvictionRule
+
 POSITIONS = ("true", "rolling")
 POLICIES = ("h2o", "local", "sink", "random", "full")
 
@@ -38,6 +40,14 @@ class H2OConfig:
             ``"rolling"`` caches keys before RoPE and rotates them by their rank in the cache at attention
             time (StreamingLLM), so a stream can run past the model's max_position_embeddings with every
             relative distance below C + block (rotary models only).
+        score: the eviction key of policy ``h2o``: ``"sum"`` (the paper: accumulated attention) or ``"mean"``
+            (accumulated attention / (newest position - p + 1), the key's lifetime).
+        score_decay: g in [0, 1]; a block of T queries updates A = g^T A + sum_t g^(t1 - t) mass_t. 1 = the
+            paper, 0 = the newest query only (TOVA). Not with ``score="mean"``.
+        prompt_window: None, or w >= 1: only the prompt's last w queries add to the scores (SnapKV's
+            observation window); later queries add as usual. The prompt is the first block after ``reset``.
+        prompt_pool: odd k >= 1: once the prompt is in, its keys' scores are averaged over k neighbouring
+            prompt positions (SnapKV's pooling); needs ``prefill="full"``.
     """
 
     budget: Union[float, int] = 0.2
@@ -48,6 +58,10 @@ class H2OConfig:
     seed: int = 0
     compress_sliding: bool = False
     positions: str = "true"
+    score: str = "sum"
+    score_decay: float = 1.0
+    prompt_window: Optional[int] = None
+    prompt_pool: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
@@ -82,8 +96,30 @@ class H2OConfig:
             raise ValueError(f"compress_sliding={self.compress_sliding!r} must be True or False")
         if self.positions not in POSITIONS:
             raise ValueError(f"positions={self.positions!r}; allowed: {', '.join(map(repr, POSITIONS))}")
+        if self.score not in SCORES:
+            raise ValueError(f"score={self.score!r}; allowed: {', '.join(map(repr, SCORES))}")
+        if self.prompt_window is not None and (isinstance(self.prompt_window, bool)
+                                               or not isinstance(self.prompt_window, int) or self.prompt_window < 1):
+            raise ValueError(f"prompt_window={self.prompt_window!r} must be None (every prompt query scores) or "
+                             "an int >= 1")
+        if self.policy != "h2o" and self.prompt_window is not None:
+            raise ValueError(f"prompt_window is an option of policy='h2o'; policy={self.policy!r} reads no scores")
+        _ = self.rule  # validates score, score_decay and prompt_pool together
+        if self.prompt_pool > 1 and self.prefill != "full":
+            raise ValueError(f"prompt_pool={self.prompt_pool} pools the whole prompt's scores, which needs "
+                             f"prefill='full'; got prefill={self.prefill!r}")
         if isinstance(self.budget, int):
             self._check_split(self.budget)
+
+    @property
+    def rule(self) -> EvictionRule:
+        """The eviction rule the ops compute (kernels/rules.py); its ``spec`` is what the graph carries."""
+        return EvictionRule(self.policy, self.score, self.score_decay, self.prompt_pool)
+
+    @property
+    def scores_prompt_specially(self) -> bool:
+        """Whether the prompt block needs the run-time ``query_from`` input (a window or pooling)."""
+        return self.policy == "h2o" and (self.prompt_window is not None or self.prompt_pool > 1)
 
     def capacity(self, total_len: int) -> int:
         """Cache slots C for a sequence of ``total_len`` tokens (prompt + new tokens).

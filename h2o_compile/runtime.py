@@ -53,7 +53,7 @@ class H2OModel(nn.Module):
         self._warned_positions = False
         # Sinks per layer, policy and seed are the same for every request: constants of the graph, set once.
         set_h2o_params(self.graph, sinks=[config.layer_sinks(spec.window) for spec in layers],
-                       policy=config.policy, seed=config.seed)
+                       policy=config.rule.spec, seed=config.seed)
         self._recent = []    # the recent window per layer, an input of every call
         self._compiled_step = None      # built on the first compiled decode step
         self._last_logits_graph = None  # built on demand from the graph
@@ -152,8 +152,9 @@ class H2OModel(nn.Module):
 
     # -- running -------------------------------------------------------------------------------------------
 
-    def _run_graph(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor) -> Tensor:
-        return self.graph(input_ids, positions, valid, *state, *self._recent)
+    def _run_graph(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor,
+                   query_from: Optional[Tensor] = None) -> Tensor:
+        return self.graph(input_ids, positions, valid, *state, *self._recent, query_from)
 
     def resolved_compile_mode(self) -> Optional[str]:
         """The torch.compile mode of the decode step on this model's device, or None when it runs eagerly."""
@@ -180,7 +181,7 @@ class H2OModel(nn.Module):
             graph = fuse_decode_bookkeeping(self.graph) if backend_for(self.device) == "reference" else self.graph
             self._compiled_step = compile_step(graph, mode, self.device, dynamic=True)
         compiled, recent = self._compiled_step, self._recent
-        return lambda *inputs: compiled(*inputs, *recent)
+        return lambda *inputs: compiled(*inputs, *recent, None)  # query_from: decode tokens score as usual
 
     @torch.no_grad()
     def warmup(self, batch_sizes=(1,), max_seq_lens=(256,), *, progress: bool = True) -> int:
@@ -230,9 +231,10 @@ class H2OModel(nn.Module):
             self._check_positions(input_ids.shape[1])
         input_ids, valid, positions = generation.place_block(self.seen, self._fed, limit, input_ids,
                                                              attention_mask, self.device, self.vocab_size)
+        query_from = self._prompt_query_from(valid) if self._fed == 0 else None
         t = input_ids.shape[1]
         self._fed += t
-        if t == 1:
+        if t == 1:  # a one-token prompt scores as any token: its query counts, and pooling one key keeps it
             return self._decode_fn()(input_ids, positions, valid, *state)
         chunk = self.h2o_config.prefill
         chunk = t if chunk == "full" else chunk
@@ -240,11 +242,23 @@ class H2OModel(nn.Module):
         if logits_to_keep == 1:
             last = self._last_logits()
             for block in blocks[:-1]:
-                last(input_ids[:, block], positions[:, block], valid[:, block], *state, *self._recent)
+                last(input_ids[:, block], positions[:, block], valid[:, block], *state, *self._recent, query_from)
             block = blocks[-1]
-            return last(input_ids[:, block], positions[:, block], valid[:, block], *state, *self._recent)
-        return torch.cat([self._run_graph(input_ids[:, block], positions[:, block], valid[:, block], *state)
-                          for block in blocks], dim=1)
+            return last(input_ids[:, block], positions[:, block], valid[:, block], *state, *self._recent,
+                        query_from)
+        return torch.cat([self._run_graph(input_ids[:, block], positions[:, block], valid[:, block], *state,
+                                          query_from=query_from) for block in blocks], dim=1)
+
+    def _prompt_query_from(self, valid: Tensor) -> Optional[Tensor]:
+        """[B] int64 for the prompt block (the first after reset) when the score rule treats the prompt
+        specially: the first position whose query adds to the scores (prompt_window w: the row's prompt
+        length - w; pooling alone: 0). None when it does not, so the prompt scores as any block."""
+        cfg = self.h2o_config
+        if not cfg.scores_prompt_specially:
+            return None
+        lengths = valid.sum(dim=1)                                                # [B]
+        window = cfg.prompt_window
+        return lengths - window if window is not None else torch.zeros_like(lengths)
 
     def _check_positions(self, t: int) -> None:
         """The positions a block of ``t`` tokens will use must be ones the model knows: true positions up to
@@ -346,13 +360,16 @@ def check_layer_kinds(name: str, sites, limits: ModelLimits) -> None:
 
 def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio: float = 0.5,
              sink_tokens: Optional[int] = None, policy: str = "h2o", prefill: Union[str, int] = "full",
-             seed: int = 0, compress_sliding: bool = False, positions: str = "true",
+             seed: int = 0, compress_sliding: bool = False, positions: str = "true", score: str = "sum",
+             score_decay: float = 1.0, prompt_window: Optional[int] = None, prompt_pool: int = 1,
              compile: Union[str, bool] = "auto") -> H2OModel:
     """Turn a transformers causal LM into an :class:`H2OModel` whose KV cache keeps ``budget`` of the sequence.
 
     Args:
         budget: float in (0, 1] (fraction of prompt + new tokens) or int (cache slots).
         recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding, positions: see :class:`H2OConfig`.
+        score, score_decay, prompt_window, prompt_pool: the score rule of policy ``h2o`` (:class:`H2OConfig`);
+            the defaults are the paper's.
         compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU) once
             for every batch size and capacity (dynamic shapes; :meth:`H2OModel.warmup` compiles it ahead).
             ``"auto"`` does so on CUDA only: on CPU the one cold compile (~23 s for the benchmarks' KV-bound
@@ -364,7 +381,8 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
             after a longer first compile.
     """
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
-                       prefill=prefill, seed=seed, compress_sliding=compress_sliding, positions=positions)
+                       prefill=prefill, seed=seed, compress_sliding=compress_sliding, positions=positions,
+                       score=score, score_decay=score_decay, prompt_window=prompt_window, prompt_pool=prompt_pool)
     check_compile(compile)
     graph, layers, limits = build_graph(model, positions=config.positions)
     return H2OModel(model, graph, layers, config, limits, compile=compile)

@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from ..config import H2OConfig
-from ..kernels.reference import POLICY_CODES, empty_state
+from ..kernels.reference import empty_state
+from ..kernels.rules import POLICY_CODES, SCORES, parse_rule
 from ..passes import set_h2o_params
 from ..support import check_rolling_fits, check_sequence_fits, check_supported
 
@@ -66,7 +67,8 @@ def state_output_names(num_layers: int) -> list[str]:
 
 
 def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent,
-                     sinks, policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None):
+                     sinks, policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None,
+                     query_from=None):
     """torch.ops.h2o.attention -> one call of the H2OAttention function (attributes carry the constants).
 
     A layer without learned sinks passes all -inf (no sink for any head): the function's input is always
@@ -74,6 +76,8 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
     from onnxscript import opset18 as op
 
     from .onnx_function import H2OAttentionNode
+
+    rule = parse_rule(policy)
 
     if sink_logits is None:
         # [Hq] from q's static head count; the optimizer folds Shape + Expand into a constant.
@@ -83,17 +87,23 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
         rope_cos = rope_sin = op.ConstantOfShape(op.Constant(value_ints=[1, 1, 2]))
     return H2OAttentionNode(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache,
                             sink_logits, rope_cos, rope_sin, scale=float(scale), recent=int(recent),
-                            sinks=int(sinks), policy=POLICY_CODES[policy], seed=int(seed), window=int(window),
-                            softcap=float(softcap), rolling=int(rolling))
+                            sinks=int(sinks), policy=POLICY_CODES[rule.policy], seed=int(seed), window=int(window),
+                            softcap=float(softcap), rolling=int(rolling), score=SCORES.index(rule.score),
+                            decay=float(rule.decay))
+
+
+_RULE_FIELDS = ("score", "score_decay", "prompt_window", "prompt_pool")
 
 
 def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding=_UNSET,
-                    positions=_UNSET) -> tuple[nn.Module, H2OConfig]:
-    """An H2OModel lends its H2OConfig (explicit arguments win); a transformers model gets the defaults."""
+                    positions=_UNSET, **rule_options) -> tuple[nn.Module, H2OConfig]:
+    """An H2OModel lends its H2OConfig (explicit arguments win); a transformers model gets the defaults.
+    ``rule_options``: score, score_decay, prompt_window, prompt_pool (each _UNSET when not given)."""
     from ..runtime import H2OModel
 
     given = {"budget": budget, "recent_ratio": recent_ratio, "sink_tokens": sink_tokens, "policy": policy,
-             "prefill": prefill, "seed": seed, "compress_sliding": compress_sliding, "positions": positions}
+             "prefill": prefill, "seed": seed, "compress_sliding": compress_sliding, "positions": positions,
+             **rule_options}
     given = {k: v for k, v in given.items() if v is not _UNSET}
     if isinstance(model, H2OModel):
         base = model.h2o_config
@@ -101,7 +111,8 @@ def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, s
         sinks = None if "policy" in given and "sink_tokens" not in given else base.sink_tokens
         fields = {"budget": base.budget, "recent_ratio": base.recent_ratio, "policy": base.policy,
                   "prefill": base.prefill, "seed": base.seed, "sink_tokens": sinks,
-                  "compress_sliding": base.compress_sliding, "positions": base.positions}
+                  "compress_sliding": base.compress_sliding, "positions": base.positions,
+                  **{name: getattr(base, name) for name in _RULE_FIELDS}}
         fields.update(given)
         return model.model, H2OConfig(**fields)
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
@@ -112,13 +123,15 @@ def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, s
 
 def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len: int | None = None,
                 batch_size: int | None = None, policy=_UNSET, recent_ratio=_UNSET, sink_tokens=_UNSET,
-                prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, positions=_UNSET, opset: int = 18,
+                prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, positions=_UNSET, score=_UNSET,
+                score_decay=_UNSET, prompt_window=_UNSET, prompt_pool=_UNSET, opset: int = 18,
                 tokenizer=None) -> Path:
     """Export ``model`` (a transformers causal LM or an :class:`H2OModel`) with its H2O cache to ``out_dir``.
 
     Args:
-        budget, policy, recent_ratio, sink_tokens, prefill, seed, compress_sliding, positions: as
-            :class:`H2OConfig`
+        budget, policy, recent_ratio, sink_tokens, prefill, seed, compress_sliding, positions, score,
+            score_decay: as :class:`H2OConfig` (prompt_window and prompt_pool are declined: the exported graph
+            has no input marking the prompt block)
             (default: the H2OModel's own settings, else H2OConfig's defaults). ``prefill`` is recorded for the
             ORT model.
         max_seq_len: the longest prompt + new tokens the export serves (default: the model's
@@ -134,7 +147,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     from ..runtime import build_graph  # runtime imports export lazily via the package; avoid a cycle
 
     hf_model, config = _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed,
-                                       compress_sliding, positions)
+                                       compress_sliding, positions, score=score, score_decay=score_decay,
+                                       prompt_window=prompt_window, prompt_pool=prompt_pool)
     if opset not in SUPPORTED_OPSETS:
         raise ValueError(f"opset={opset!r}; allowed: {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
@@ -145,6 +159,10 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         max_seq_len = min(max_pos or 2048, 2048)
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 1 (prompt + new tokens)")
+    if config.scores_prompt_specially:
+        raise ValueError(f"prompt_window={config.prompt_window} / prompt_pool={config.prompt_pool}: the exported "
+                         "graph has no input that marks the prompt block, so the ONNX export serves score, "
+                         "score_decay and the paper's prompt scoring only (prompt_window=None, prompt_pool=1)")
     capacity = config.capacity(max_seq_len)
     recent = config.recent_window(capacity)
     limits = check_supported(hf_model)  # from the config, before the slow capture
@@ -160,7 +178,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     dtype = layers[0].dtype
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype} is not supported by the ONNX export; use float32 or float16")
-    set_h2o_params(graph, recent=[p[1] for p in plan], sinks=[p[2] for p in plan], policy=config.policy,
+    set_h2o_params(graph, recent=[p[1] for p in plan], sinks=[p[2] for p in plan], policy=config.rule.spec,
                    seed=config.seed)
 
     program = _export_program(graph, layers, [p[0] for p in plan], max_seq_len, batch_size, opset)
@@ -171,6 +189,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         "budget": config.budget, "policy": config.policy, "recent_ratio": config.recent_ratio,
         "sink_tokens": config.sink_tokens, "seed": config.seed, "prefill": config.prefill,
         "compress_sliding": config.compress_sliding, "positions": config.positions,
+        "score": config.score, "score_decay": config.score_decay,
         "capacity": capacity, "recent": recent, "max_seq_len": max_seq_len, "batch_size": batch_size,
         "opset": opset, "dtype": _DTYPES[dtype], "vocab_size": int(hf_model.config.vocab_size),
         "num_layers": len(layers),

@@ -7,15 +7,19 @@ exported graph still shows one readable node per layer.
 Signature (shapes as in kernels/reference.py; C = cache slots, S = C + T):
 
     H2OAttention<scale: float, recent: int, sinks: int, policy: int, seed: int, window: int, softcap: float,
-                 rolling: int>(
+                 rolling: int, score: int, decay: float>(
         q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], positions [B, T] int64, valid [B, T] bool,
         key_cache [B, Hkv, C, D], value_cache [B, Hkv, C, Dv], score_cache [B, Hkv, C] f32,
         pos_cache [B, Hkv, C] int64, sink_logits [Hq] float, rope_cos [B', S', R], rope_sin [B', S', R])
     -> out [B, Hq, T, Dv], key_cache', value_cache', score_cache', pos_cache'
 
-``policy`` is the integer code of reference.POLICY_CODES. The body computes the priorities of every policy
+``policy`` is the integer code of rules.POLICY_CODES. The body computes the priorities of every policy
 and selects one with Where: the unused ones cost a few element-wise ops over [B, Hkv, S], little next to the
-attention, and one function serves every policy.
+attention, and one function serves every policy. The score rule of policy h2o (kernels/rules.py, the torch
+copy of the same arithmetic): ``score`` 0 = the accumulated sum, 1 = the mean over the key's lifetime
+(A / (newest - p + 1)); ``decay`` g weighs query t of the block by g^(t1 - t) and the carried scores by
+g^(valid queries of the row), in an If on the attribute that folds away at g = 1. The prompt window and
+prompt pooling need a run-time input the exported graph does not have: export_onnx declines them.
 
 The layer's attention kind (kernels/reference.py): ``window`` W (sliding window, 0 = off), ``softcap`` c
 (0 = off) and ``sink_logits``, one learned logit per query head, always present: -inf is "no sink" for that
@@ -78,7 +82,7 @@ H2O_OPSET = Opset(DOMAIN, 1)
 @script(H2O_OPSET, default_opset=op)
 def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, sink_logits, rope_cos,
                  rope_sin, scale: float, recent: int, sinks: int, policy: int, seed: int, window: int, softcap: float,
-                 rolling: int):
+                 rolling: int, score: int, decay: float):
     # ---- shapes (1-D int64 tensors of one element) -----------------------------------------------------
     b = op.Shape(q, start=0, end=1)
     hkv = op.Shape(k, start=1, end=2)
@@ -173,12 +177,23 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     else:
         probs = op.Softmax(logits, axis=-1)
     probs = op.Mul(probs, op.Cast(visible, to=FLOAT.dtype))                            # [B, Hkv, G, T, S]
-    mass = op.ReduceSum(probs, [2, 3], keepdims=0)                                     # [B, Hkv, S]
+    decay_c = op.Constant(value_float=decay)
+    one_f = op.Constant(value_float=1.0)
+    valid_f = op.Cast(valid, to=FLOAT.dtype)                                            # [B, T]
+    if op.Less(decay_c, one_f):  # folded away by ORT: decay is a constant
+        # Query t counts g^(t1 - t) (0^0 = 1), the carried scores g^(valid queries of the row).
+        age = op.Cast(op.Max(op.Sub(op.Squeeze(newest, [2]), positions), zero_i), to=FLOAT.dtype)   # [B, T]
+        weight = op.Mul(op.Pow(decay_c, age), valid_f)
+        mass = op.ReduceSum(op.Mul(probs, op.Unsqueeze(weight, [1, 2, 4])), [2, 3], keepdims=0)
+        carried = op.Mul(score_cache, op.Unsqueeze(op.Pow(decay_c, op.ReduceSum(valid_f, [1], keepdims=1)), [2]))
+    else:
+        mass = op.ReduceSum(probs, [2, 3], keepdims=0)                                 # [B, Hkv, S]
+        carried = op.Identity(score_cache)
     probs = op.Reshape(probs, op.Concat(b, hkv, [-1], s, axis=0))                      # [B, Hkv, G*T, S]
     out = op.Add(op.MatMul(op.Slice(probs, [0], cap, [3]), op.Cast(value_cache, to=FLOAT.dtype)),
                  op.MatMul(op.Slice(probs, cap, int_max, [3]), op.Cast(v_new, to=FLOAT.dtype)))
     out = op.CastLike(op.Reshape(out, op.Concat(b, [-1], t, dv, axis=0)), q)          # [B, Hq, T, Dv]
-    all_scores = op.Add(op.Concat(score_cache, op.ConstantOfShape(op.Shape(new_pos_h)), axis=2), mass)
+    all_scores = op.Add(op.Concat(carried, op.ConstantOfShape(op.Shape(new_pos_h)), axis=2), mass)
 
     # ---- eviction priority (larger stays) ------------------------------------------------------------
     pos_f = op.Cast(all_pos, to=FLOAT.dtype)
@@ -190,7 +205,9 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     x = op.Mod(op.Mul(x, lehmer_mul), lehmer_mod)
     code = op.Constant(value_int=policy)
     not_h2o = op.Where(op.Equal(code, op.Constant(value_int=3)), op.Cast(x, to=FLOAT.dtype), pos_f)
-    by_policy = op.Where(op.Equal(code, zero_i), all_scores, not_h2o)
+    lifetime = op.Cast(op.Max(op.Add(op.Sub(newest, all_pos), one_i), one_i), to=FLOAT.dtype)   # [B, Hkv, S]
+    h2o_key = op.Where(op.Equal(op.Constant(value_int=score), one_i), op.Div(all_scores, lifetime), all_scores)
+    by_policy = op.Where(op.Equal(code, zero_i), h2o_key, not_h2o)
     protected = op.Or(op.Less(all_pos, op.Constant(value_int=sinks)),
                       op.Greater(all_pos, op.Sub(newest, op.Constant(value_int=recent))))
     priority = op.Where(protected, op.Constant(value_float=float("inf")), by_policy)
@@ -268,7 +285,7 @@ _INPUTS = (("q", "T"), ("k", "T"), ("v", "T"), ("positions", "tensor(int64)"), (
 _OUTPUTS = (("out", "T"), ("new_key_cache", "TC"), ("new_value_cache", "TC"),
             ("new_score_cache", "tensor(float)"), ("new_pos_cache", "tensor(int64)"))
 _ATTRIBUTES = (("scale", "FLOAT"), ("recent", "INT"), ("sinks", "INT"), ("policy", "INT"), ("seed", "INT"),
-               ("window", "INT"), ("softcap", "FLOAT"), ("rolling", "INT"))
+               ("window", "INT"), ("softcap", "FLOAT"), ("rolling", "INT"), ("score", "INT"), ("decay", "FLOAT"))
 
 
 def _schema() -> onnx.defs.OpSchema:

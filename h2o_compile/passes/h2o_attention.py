@@ -141,15 +141,23 @@ def _inplace_ops(gm: GraphModule) -> list[torch.fx.Node]:
 def runtime_recent_graph(gm: GraphModule) -> GraphModule:
     """A copy of an in-place graph, sharing its weights, whose h2o ops read their recent window from int inputs
     ``recent{i}`` (one per layer, after the state) instead of graph constants: the window follows from each
-    request's capacity, and as an input it changes neither the graph code nor a compiled step.
+    request's capacity, and as an input it changes neither the graph code nor a compiled step. A last input,
+    ``query_from`` ([B] int64 or None), reaches every op: the runtime passes it with the prompt block when the
+    score rule treats the prompt specially (kernels/rules.py), None otherwise.
 
-    Before: ``forward(input_ids, position_ids, valid, *state)``; after: ``forward(..., *state, *recent)``."""
+    Before: ``forward(input_ids, position_ids, valid, *state)``;
+    after: ``forward(..., *state, *recent, query_from)``."""
     copy = copy_graph_module(gm)
     last = [n for n in copy.graph.nodes if n.op == "placeholder"][-1]
-    for i, node in enumerate(_inplace_ops(copy)):
+    nodes = _inplace_ops(copy)
+    for i, node in enumerate(nodes):
         with copy.graph.inserting_after(last):
             last = copy.graph.placeholder(f"recent{i}")
         node.args = node.args[:_PARAMS_AT] + (last,) + node.args[_PARAMS_AT + 1:]
+    with copy.graph.inserting_after(last):
+        query_from = copy.graph.placeholder("query_from", default_value=None)
+    for node in nodes:
+        node.kwargs = {**node.kwargs, "query_from": query_from}
     copy.graph.lint()
     copy.recompile()
     return copy

@@ -29,6 +29,7 @@ MAX_SEQ_LEN = 64
 # max_seq_len reset() gets; the float budget is checked at the exported max_seq_len.
 CASES = {
     "llama_h2o": ("llama", {"budget": 6, "sink_tokens": 1, "policy": "h2o"}),
+    "llama_decayed_score": ("llama", {"budget": 6, "sink_tokens": 1, "score_decay": 0.8}),
     "gpt2_local_chunked": ("gpt2", {"budget": 7, "policy": "local", "prefill": 4}),
     "qwen3_random": ("qwen3", {"budget": 0.125, "sink_tokens": 1, "policy": "random", "seed": 7}),
     "gemma3_window_cache": ("gemma3", {"budget": 8, "sink_tokens": 1, "policy": "h2o"}),
@@ -207,6 +208,8 @@ def test_max_seq_len_bounds_generate(exported):
     ({"batch_size": 0}, "batch_size=0"),
     ({"max_seq_len": 0}, "max_seq_len=0"),
     ({"budget": 4, "sink_tokens": 3}, "sink_tokens"),
+    ({"prompt_window": 8}, "prompt_window=8 / prompt_pool=1: the exported graph has no input"),
+    ({"score": "mean", "score_decay": 0.5}, "score_decay=0.5 must be 1"),
 ])
 def test_bad_export_arguments_raise_value_error(tmp_path, kwargs, match):
     model = build("llama")

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper
 
 from h2o_compile.export.onnx_function import DOMAIN, FUNCTION_NAME, H2OAttention
 from h2o_compile.kernels import reference
+from h2o_compile.kernels.rules import SCORES
 
 NAMES = ["q", "k", "v", "positions", "valid", "key_cache", "value_cache", "score_cache", "pos_cache",
          "sink_logits", "rope_cos", "rope_sin"]
@@ -32,11 +33,12 @@ OUT_RANKS = [4, 4, 4, 3, 3]
 
 def one_node_model(*, scale, recent, sinks, policy, seed, window=0, softcap=0.0, sink_initializer=None,
                    rolling=0):
-    """The function as the only node. ``sink_initializer`` [Hq] makes the sink logits a constant of the model
-    (as in an export) instead of an input."""
+    """The function as the only node; ``policy`` is an eviction rule spec (kernels/rules.py). ``sink_initializer``
+    [Hq] makes the sink logits a constant of the model (as in an export) instead of an input."""
+    rule = reference.parse_rule(policy)
     node = helper.make_node(FUNCTION_NAME, NAMES, OUTS, domain=DOMAIN, scale=scale, recent=recent,
-                            sinks=sinks, policy=reference.POLICY_CODES[policy], seed=seed, window=window,
-                            softcap=softcap, rolling=rolling)
+                            sinks=sinks, policy=reference.POLICY_CODES[rule.policy], seed=seed, window=window,
+                            softcap=softcap, rolling=rolling, score=SCORES.index(rule.score), decay=rule.decay)
 
     def infos(names, types, ranks):
         return [helper.make_tensor_value_info(n, ty, [f"{n}_{i}" for i in range(r)])
@@ -117,6 +119,13 @@ BLOCKS = [5, 3, 1, 1, 4, 1, 1, 1, 2, 1, 1, 1, 7, 1, 1]
 def test_function_equals_reference(policy, sinks):
     evictions, _ = run_sequence(policy, blocks=BLOCKS, sinks=sinks)
     assert evictions > 0  # the comparison covered eviction, not only appends
+
+
+@pytest.mark.parametrize("rule", ["h2o;score=mean", "h2o;decay=0.5", "h2o;decay=0.0", "h2o;decay=0.9"])
+@pytest.mark.parametrize("window", [0, 4])
+def test_score_rules_equal_reference(rule, window):
+    evictions, _ = run_sequence(rule, blocks=BLOCKS, sinks=1, window=window)
+    assert evictions > 0
 
 
 def sink_logits(kind, hq=4):
@@ -249,7 +258,8 @@ def test_function_is_standard_ops_only():
     proto = H2OAttention.to_function_proto()
     assert proto.domain == DOMAIN and proto.name == FUNCTION_NAME
     assert {n.domain for n in proto.node} == {""}
-    assert list(proto.attribute) == ["scale", "recent", "sinks", "policy", "seed", "window", "softcap", "rolling"]
+    assert list(proto.attribute) == ["scale", "recent", "sinks", "policy", "seed", "window", "softcap", "rolling",
+                                     "score", "decay"]
     assert list(proto.input) == NAMES
 
 

@@ -10,6 +10,12 @@ the window is dropped before any eviction choice), ``softcap`` (logits = cap * t
 Rolling positions (``inv_freq`` given, [R / 2] float64): keys and queries arrive unrotated; at each block the
 kept positions are numbered 0..n-1 in increasing order and the block's tokens n, n+1, ...; both are rotated
 with these numbers (angle = number x inv_freq[i], pairing dims i and i + R/2, dims >= R untouched).
+
+Score rules (DESIGN.md section 2, "Score rules"), simulated query by query rather than in closed form: before
+each valid query adds its probabilities, every score is multiplied by ``decay``; a query whose position is not
+in ``counted`` adds nothing (a prompt window); after a ``prompt`` block with ``pool`` k > 1 each of the block's
+keys takes the mean score of the block's keys within k // 2 positions; ``score="mean"`` evicts by
+score / (newest - p + 1).
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ class SimulatedCache:
     """Kept positions S and their scores A for one (row, KV head); keys/values of every token ever seen."""
 
     def __init__(self, capacity, recent, sinks, policy, seed=0, window=None, softcap=None, sink_logits=None,
-                 inv_freq=None):
+                 inv_freq=None, score="sum", decay=1.0, pool=1):
         self.capacity, self.recent, self.sinks, self.policy, self.seed = capacity, recent, sinks, policy, seed
+        self.score_rule, self.decay, self.pool = score, decay, pool
         self.window, self.softcap, self.sink_logits = window, softcap, sink_logits
         self.inv_freq = inv_freq
         self.kept: set[int] = set()
@@ -40,8 +47,9 @@ class SimulatedCache:
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
-    def block(self, positions, q, k, v, scale):
+    def block(self, positions, q, k, v, scale, counted=None, prompt=False):
         """positions: list of valid new positions (ascending); q: [G, T, D]; k, v: [T, D] (float64).
+        counted: the query positions that add to the scores (None = all); prompt: pool after this block.
         Returns the outputs [G, T, Dv] for those positions."""
         number = {p: i for i, p in enumerate(sorted(self.kept))}
         number.update({p: len(self.kept) + j for j, p in enumerate(positions)})
@@ -65,8 +73,16 @@ class SimulatedCache:
                 total = sum(weights) + (0.0 if sink is None else math.exp(sink - top))
                 probs = [w / total for w in weights]
                 outs[g, i] = sum(pr * val for pr, val in zip(probs, values))
-                for p, pr in zip(visible, probs):
-                    self.score[p] += pr
+                if g == 0:  # time passes once per query, not once per head of the group
+                    for p in self.score:
+                        self.score[p] *= self.decay
+                if counted is None or t in counted:
+                    for p, pr in zip(visible, probs):
+                        self.score[p] += pr
+        if prompt and self.pool > 1:
+            half = self.pool // 2
+            pooled = {p: [self.score[n] for n in positions if abs(n - p) <= half] for p in positions}
+            self.score.update({p: sum(near) / len(near) for p, near in pooled.items()})
         self.kept |= new
         if positions:
             self._evict(newest=max(positions))
@@ -89,7 +105,9 @@ class SimulatedCache:
             self.kept = {p for p in self.kept if p > newest - self.window}
         while len(self.kept) > self.capacity and self.policy != "full":
             candidates = [p for p in self.kept if not (p < self.sinks or p > newest - self.recent)]
-            if self.policy == "h2o":
+            if self.policy == "h2o" and self.score_rule == "mean":
+                victim = min(candidates, key=lambda p: (self.score[p] / (newest - p + 1), p))
+            elif self.policy == "h2o":
                 victim = min(candidates, key=lambda p: (self.score[p], p))
             elif self.policy == "random":
                 victim = min(candidates, key=lambda p: (random_key(p, self.seed), p))

@@ -38,13 +38,17 @@ def _h2o_sim_attention(module, query, key, value, attention_mask, scaling=None, 
         new_keys = _unrotate(key[:, :, total - t:], inv_freq, positions)
         key = torch.cat([key[:, :, :total - t].double(), new_keys], dim=2)  # only the new keys are read below
         query = _unrotate(query, inv_freq, positions)
+    # The prompt (the first block) under a prompt window / pooling: which of its queries add to the scores.
+    prompt = total == t and _SIMS["prompt_rule"]
+    window = _SIMS["prompt_window"]
+    counted = set(positions[-window:]) if prompt and window is not None else None
     for row in range(b):
         for h in range(hkv):
             sinks = None if sink_logits is None else sink_logits[h * group:(h + 1) * group].double()
             sim = sims.setdefault((row, h), SimulatedCache(**cache_args, **kind, sink_logits=sinks, inv_freq=inv_freq))
             out[row, h * group:(h + 1) * group] = sim.block(
                 positions, query[row, h * group:(h + 1) * group].double(), key[row, h, total - t:].double(),
-                value[row, h, total - t:].double(), scale)
+                value[row, h, total - t:].double(), scale, counted=counted, prompt=prompt)
     return out.to(dtype).transpose(1, 2).contiguous(), None
 
 
@@ -72,8 +76,11 @@ transformers.AttentionInterface.register("h2o_sim", _h2o_sim_attention)
 
 @torch.no_grad()
 def simulate_logits(model, input_ids, blocks, *, capacity, recent, sinks, policy, seed=0, layer_args=None,
-                    rolling=False):
+                    rolling=False, score="sum", decay=1.0, pool=1, prompt_window=None):
     """Feed ``input_ids`` [B, S] in blocks of the given sizes; returns logits [B, S, V] under simulated H2O.
+
+    ``score``, ``decay``, ``pool``, ``prompt_window``: the score rule (DESIGN.md section 2); the first block is
+    the prompt.
 
     ``layer_args(layer, window) -> dict(capacity=, recent=, sinks=)`` gives a layer its own cache size (for
     sliding-window layers); by default every layer gets ``capacity``, ``recent`` and ``sinks``.
@@ -82,9 +89,11 @@ def simulate_logits(model, input_ids, blocks, *, capacity, recent, sinks, policy
     shared = dict(capacity=capacity, recent=recent, sinks=sinks)
 
     def cache_args(layer, window):
-        return dict(**(layer_args(layer, window) if layer_args else shared), policy=policy, seed=seed)
+        return dict(**(layer_args(layer, window) if layer_args else shared), policy=policy, seed=seed,
+                    score=score, decay=decay, pool=pool)
 
-    _SIMS.update(by_layer={}, cache_args=cache_args,
+    _SIMS.update(by_layer={}, cache_args=cache_args, prompt_window=prompt_window,
+                 prompt_rule=prompt_window is not None or pool > 1,
                  inv_freq=lambda layer: layer_inv_freq(model, layer).double() if rolling else None)
     before = model.config._attn_implementation
     model.set_attn_implementation("h2o_sim")
