@@ -1,5 +1,5 @@
-"""The quality commands of ``h2o-compile``: eval (budget sweep), eval-merge (one report from split sweeps) and
-stream (one long stream through a fixed cache)."""
+"""The quality commands of ``h2o-compile``: eval (budget sweep), eval-merge (one report from split sweeps),
+stream (one long stream through a fixed cache) and tasks (long-context retrieval)."""
 
 from __future__ import annotations
 
@@ -103,6 +103,48 @@ def cmd_eval_merge(args) -> int:
     return 0
 
 
+def cmd_tasks(args) -> int:
+    """Retrieval tasks (quality/tasks.py) under every configuration; tasks.json / .md / plots in --out."""
+    import torch
+
+    from ..zoo.data import clean_text
+    from .task_eval import TaskConfig, parse_rule_option, run_tasks
+    from .task_report import write_task_report
+    from .tasks import TASKS, make_samples
+
+    bad = [t for t in args.tasks if t not in TASKS]
+    if bad:
+        raise ValueError(f"--tasks {bad}; choose from {', '.join(TASKS)}")
+    bad = [p for p in args.policies if p not in POLICIES or p == "full"]
+    if bad:
+        raise ValueError(f"--policies {bad}; choose from {', '.join(p for p in POLICIES if p != 'full')} "
+                         "(the full cache is always run unless --no-full)")
+    for rule in args.rules:
+        parse_rule_option(rule)  # a bad rule fails before the model loads
+    torch.manual_seed(0)
+    model, tokenizer = load_local(args.model)
+    text = "\n".join(clean_text(Path(p).read_text(encoding="utf-8")) for p in args.text)
+    filler = tokenizer(text, add_special_tokens=False)["input_ids"]
+    samples = [s for task in args.tasks for n in args.lengths
+               for s in make_samples(task, tokenizer, filler, n, args.samples, seed=args.seed)]
+    configs = [] if args.no_full else [TaskConfig("full")]
+    for budget in args.budgets:
+        for policy in args.policies:
+            for rule in (args.rules if policy == "h2o" else ["sum"]):
+                configs.append(TaskConfig(policy, budget, rule, args.compress_sliding, args.sink_tokens))
+    settings = dict(tasks=args.tasks, lengths=args.lengths, samples=args.samples, seed=args.seed,
+                    budgets=args.budgets, policies=args.policies, rules=args.rules,
+                    compress_sliding=args.compress_sliding, sink_tokens=args.sink_tokens,
+                    filler=[Path(p).name for p in args.text])
+
+    def write_partial(run):  # an interrupted run keeps the configurations it finished
+        write_task_report(run, args.out, model_name=model_name(args.model), settings=settings)
+
+    run = run_tasks(model, tokenizer, samples, configs, on_config=write_partial)
+    print_report(write_task_report(run, args.out, model_name=model_name(args.model), settings=settings))
+    return 0
+
+
 def add_quality_parsers(sub) -> None:
     ev = sub.add_parser("eval", help="perplexity and generation agreement vs budget, per policy")
     ev.add_argument("--model", default=None, help="model folder, .gguf file, or gemma3-270m / tiny (default: tiny)")
@@ -146,4 +188,23 @@ def add_quality_parsers(sub) -> None:
     st.add_argument("--window-tokens", type=int, default=4096, help="scored tokens per reported window")
     st.add_argument("--out", default="docs/results/stream")
     st.set_defaults(func=cmd_stream)
+
+    tk = sub.add_parser("tasks", help="long-context retrieval (pass key, multi-key, variable tracking) vs budget")
+    tk.add_argument("--model", default="tiny", help="model folder, .gguf file, or gemma3-270m / tiny (default)")
+    tk.add_argument("--tasks", type=csv_of(str), default=["passkey"], help="comma-separated: passkey,multikey,vartrack")
+    tk.add_argument("--lengths", type=csv_of(int), default=[2048, 4096], help="prompt tokens (2048,4096)")
+    tk.add_argument("--samples", type=int, default=50, help="prompts per task and length (50)")
+    tk.add_argument("--budgets", type=csv_of(float), default=[0.1, 0.2, 0.5], help="fractions kept (0.1,0.2,0.5)")
+    tk.add_argument("--policies", type=csv_of(str), default=["h2o", "sink", "local"],
+                    help="comma-separated, from h2o, local, sink, random (h2o,sink,local)")
+    tk.add_argument("--rules", type=csv_of(str), default=["sum"],
+                    help="h2o score rules: sum, mean, tova, snapkv, decay=G, window=W, pool=K, joined by '+' (sum)")
+    tk.add_argument("--compress-sliding", action="store_true",
+                    help="compress sliding-window layers to the budget too (default: they keep their window)")
+    tk.add_argument("--sink-tokens", type=int, default=None, help="sink tokens of h2o (default 0; sink: 4)")
+    tk.add_argument("--no-full", action="store_true", help="skip the full-cache reference row")
+    tk.add_argument("--text", nargs="+", required=True, help="prose text file(s) the filler is cut from")
+    tk.add_argument("--seed", type=int, default=0, help="seed of the generated samples (0)")
+    tk.add_argument("--out", default="docs/results/tasks", help="folder for tasks.json / .md / .png")
+    tk.set_defaults(func=cmd_tasks)
 

@@ -1,0 +1,117 @@
+"""Run the retrieval tasks (quality/tasks.py) through H2O caches: every sample under every configuration, greedy,
+scored by what the answer contains. One H2OModel per configuration serves all its samples."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+from .tasks import TaskSample, max_new_tokens
+
+# Score-rule presets by name (DESIGN.md section 2 "Score rules"); "+" joins options: "mean+window=64+pool=5".
+RULE_PRESETS = {"sum": {}, "mean": {"score": "mean"}, "tova": {"score_decay": 0.0},
+                "snapkv": {"prompt_window": 64, "prompt_pool": 5}}
+
+
+def parse_rule_option(text: str) -> dict:
+    """'sum' | 'mean' | 'tova' | 'snapkv' | 'decay=G' | 'window=W' | 'pool=K', joined by '+' -> H2OConfig
+    keyword arguments. A ValueError names the bad part."""
+    options: dict = {}
+    for part in text.split("+"):
+        name, _, value = part.partition("=")
+        try:
+            if part in RULE_PRESETS:
+                options.update(RULE_PRESETS[part])
+            elif name == "decay":
+                options["score_decay"] = float(value)
+            elif name == "window":
+                options["prompt_window"] = int(value)
+            elif name == "pool":
+                options["prompt_pool"] = int(value)
+            else:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"score rule {text!r}: cannot read {part!r}; use {', '.join(RULE_PRESETS)}, decay=G, "
+                             "window=W or pool=K, joined by '+'") from None
+    return options
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """One cache configuration: ``policy`` at ``budget`` with a score rule (h2o only) and the sliding-layer
+    setting. ``policy="full"`` is the full cache (budget ignored)."""
+
+    policy: str
+    budget: Union[float, int] = 1.0
+    rule: str = "sum"
+    compress_sliding: bool = False
+    sink_tokens: Optional[int] = None
+
+    @property
+    def label(self) -> str:
+        if self.policy == "full":
+            return "full cache"
+        rule = f" [{self.rule}]" if self.policy == "h2o" else ""
+        sinks = f" +{self.sink_tokens} sinks" if self.sink_tokens and self.policy == "h2o" else ""
+        return f"{self.policy}{rule}{sinks}"
+
+    def optimize_kwargs(self) -> dict:
+        if self.policy == "full":
+            return dict(budget=1.0, policy="full")
+        rule = parse_rule_option(self.rule) if self.policy == "h2o" else {}
+        return dict(budget=self.budget, policy=self.policy, compress_sliding=self.compress_sliding,
+                    sink_tokens=self.sink_tokens, **rule)
+
+
+@dataclass
+class TaskRun:
+    """Every sample's score under every configuration, and what was run."""
+
+    rows: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def accuracy(self, depth_band: Optional[tuple[float, float]] = None, **match) -> Optional[float]:
+        """Mean score of the rows whose fields equal ``match`` and, with ``depth_band`` (lo, hi), whose depth
+        lies in [lo, hi); None when there are none."""
+        lo, hi = depth_band if depth_band is not None else (float("-inf"), float("inf"))
+        scores = [r["score"] for r in self.rows
+                  if lo <= r["depth"] < hi and all(r.get(k) == v for k, v in match.items())]
+        return sum(scores) / len(scores) if scores else None
+
+
+@torch.no_grad()
+def run_tasks(model, tokenizer, samples: Sequence[TaskSample], configs: Sequence[TaskConfig], *,
+              progress: bool = True, on_config: Optional[Callable[[TaskRun], None]] = None,
+              compile: bool = False) -> TaskRun:
+    """Greedy answers of every sample under every configuration.
+
+    Args:
+        samples: from quality.tasks.make_samples; configs: the caches to compare.
+        on_config: called with the run so far after each configuration (an interrupted run keeps them).
+    Returns:
+        a TaskRun whose rows hold task, length, depth, index, the configuration's fields, score and output.
+    """
+    import h2o_compile
+    from tqdm.auto import tqdm
+
+    run = TaskRun()
+    start = time.perf_counter()
+    bar = tqdm(total=len(samples) * len(configs), desc="tasks", unit="prompt", disable=not progress)
+    for config in configs:
+        opt = h2o_compile.optimize(model, compile=compile, **config.optimize_kwargs())
+        for sample in samples:
+            ids = torch.tensor([sample.prompt_ids], dtype=torch.long)
+            out = opt.generate(ids, max_new_tokens=max_new_tokens(sample.task))
+            text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            run.rows.append(dict(task=sample.task, length=sample.length, depth=round(sample.depth, 4),
+                                 index=sample.index, **asdict(config), label=config.label,
+                                 score=sample.score(text), output=text))
+            bar.update(1)
+        run.seconds = time.perf_counter() - start
+        if on_config is not None:
+            on_config(run)
+    bar.close()
+    return run
