@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
+from .arguments import csv_of
 from .config import POLICIES
+from .reporting import print_report
+from .zoo.loading import load_local
 
 
 def parse_budget(text: str):
@@ -39,38 +41,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} GiB"
-
-
-def print_report(paths: dict) -> None:
-    """Show a command's markdown report and name every file it wrote (``paths``: kind -> Path)."""
-    print(paths["markdown"].read_text())
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
-
-
-def load_local(path: str, dtype: str = "float32"):
-    """(model, tokenizer) from a local folder, a local ``.gguf`` file, or a zoo name (``gemma3-270m``,
-    ``tiny``); never from a hub."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = Path(path)
-    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    from . import zoo
-
-    if path in zoo.MODELS:
-        return zoo.load_model(path, torch_dtype)
-    if folder.suffix == ".gguf":
-        from .zoo import load_gguf
-
-        if not folder.is_file():
-            raise SystemExit(f"error: --model {path!r}: no such .gguf file")
-        return load_gguf(folder, torch_dtype)
-    if not (folder / "config.json").is_file():
-        raise SystemExit(f"error: --model {path!r} is not a folder with a config.json, a .gguf file, or one of "
-                         f"{', '.join(zoo.MODELS)} (only local models load)")
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch_dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return model, tokenizer
 
 
 def add_h2o_args(p: argparse.ArgumentParser) -> None:
@@ -120,23 +90,6 @@ def cmd_generate(args) -> int:
     print(kv_note)
     print(f"{new} new tokens in {elapsed:.2f} s: {new / elapsed:.1f} tokens/s (prefill included)")
     return 0
-
-
-def csv_of(kind):
-    def parse(text):
-        try:
-            return [kind(x) for x in text.split(",") if x]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} must be a comma-separated list of {kind.__name__}") from None
-    return parse
-
-
-def model_name(path) -> str:
-    if not path or path == "tiny":
-        return "tiny-llama"
-    from . import zoo
-
-    return path if path in zoo.MODELS else Path(path).name
 
 
 def cmd_demo(args) -> int:
@@ -246,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_h2o_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    from .quality.commands import add_quality_parsers  # eval, eval-merge, stream (they import this module)
+    from .quality.commands import add_quality_parsers  # eval, eval-merge, stream
 
     add_quality_parsers(sub)
 
