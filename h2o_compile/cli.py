@@ -75,9 +75,15 @@ def cmd_generate(args) -> int:
     encoded = tokenizer(args.prompt, return_tensors="pt")
     ids = encoded["input_ids"]
     start = time.perf_counter()
+    # --temperature 0 is greedy whatever the model's generation_config says; top-k / top-p left unset keep
+    # the model's defaults (transformers' top_k=50 when it sets none), as transformers' generate does.
+    sampling = dict(do_sample=False)
+    if args.temperature > 0:
+        sampling = dict(do_sample=True, temperature=args.temperature)
+        sampling.update({k: v for k, v in (("top_k", args.top_k), ("top_p", args.top_p)) if v is not None})
+    torch.manual_seed(args.seed)  # generate samples from torch's global generator, as transformers does
     out = runner.generate(ids, attention_mask=encoded.get("attention_mask"), max_new_tokens=args.max_new_tokens,
-                          do_sample=args.temperature > 0, temperature=max(args.temperature, 1e-5),
-                          top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed))
+                          **sampling)
     elapsed = time.perf_counter() - start
     new = out.shape[1] - ids.shape[1]
     print(tokenizer.decode(out[0], skip_special_tokens=True))
@@ -188,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None, help="when sampling (default: the model's, else 50)")
+    gen.add_argument("--top-p", type=float, default=None, help="when sampling (default: the model's, else 1.0)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     gen.add_argument("--backend", choices=("torch", "onnx"), default="torch")

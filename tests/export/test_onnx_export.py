@@ -248,7 +248,7 @@ def test_bad_ort_arguments_raise_value_error(exported, tmp_path):
 
 def test_export_from_an_h2o_model_samples_and_streams_like_it(tmp_path):
     """export_onnx takes an H2OModel and keeps its settings; seeded sampling through H2OOrtModel draws the same
-    tokens as the H2OModel (same logits, same generator), and a streamer sees the prompt then every token."""
+    tokens as the H2OModel (same logits, same torch seed), and a streamer sees the prompt then every token."""
     settings = {"budget": 6, "policy": "random", "seed": 4, "sink_tokens": 1}
     theirs = h2o_compile.optimize(build("llama", seed=1), compile=False, **settings)
     out = export_onnx(theirs, tmp_path / "from_h2o", max_seq_len=MAX_SEQ_LEN)
@@ -258,9 +258,10 @@ def test_export_from_an_h2o_model_samples_and_streams_like_it(tmp_path):
     ids, mask = prompts(seed=9)
     sample = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_k=30, top_p=0.95, pad_token_id=0)
     streamer = CollectStreamer()
-    a = ours.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(2), streamer=streamer,
-                      **sample)
-    b = theirs.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(2), **sample)
+    torch.manual_seed(2)
+    a = ours.generate(ids, attention_mask=mask, streamer=streamer, **sample)
+    torch.manual_seed(2)
+    b = theirs.generate(ids, attention_mask=mask, **sample)
     assert torch.equal(a, b)
     assert streamer.ended and torch.equal(streamer.chunks[0], ids)
     assert torch.equal(torch.stack([c for c in streamer.chunks[1:]], dim=1), a[:, ids.shape[1]:])
