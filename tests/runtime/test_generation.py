@@ -16,6 +16,7 @@ from transformers import (GenerationConfig, LogitsProcessorList, MaxLengthCriter
 import h2o_compile
 from h2o_compile.zoo import load_tiny
 
+from ..helpers import stop_string_tokenizer
 from .arch_configs import VOCAB, build
 
 NEW = 10  # new tokens per row: short, to keep the table fast
@@ -45,25 +46,12 @@ def tiny_case():
     return Case(model, tokenizer, batch["input_ids"], batch["attention_mask"])
 
 
-def word_tokenizer():
-    """Words w0..w93 as ids 2..95. StopStringCriteria finds each token's text by decoding it after the word
-    "abcdef", so that word is in the vocabulary too."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "abcdef"] + [f"w{i}" for i in range(VOCAB - 2)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece()  # joins words with spaces
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
-
-
 def random_case(name):
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(3, VOCAB, (2, 8), generator=gen)  # 0-2 are pad / bos / eos ids of these configs
     mask = torch.ones_like(ids)
     ids[1, :3], mask[1, :3] = 0, 0
-    return Case(build(name, init=0.1), word_tokenizer(), ids, mask)
+    return Case(build(name, init=0.1), stop_string_tokenizer(VOCAB), ids, mask)
 
 
 CASES = {"tiny": tiny_case, "gemma": lambda: random_case("gemma"), "gpt_neox": lambda: random_case("gpt_neox")}
@@ -83,13 +71,16 @@ def cases():
 
 # id -> (kwargs builder: Case -> dict, options). Options: bites (must differ from greedy), seed (sampling
 # rows reseed torch before each call), defaults (set on the model's generation_config for the call), single
-# (the first prompt alone, no attention_mask).
+# (the first prompt alone, no attention_mask), pad_ids (the padded row's pad ids replaced, see the row).
 SAMPLE = dict(seed=True, bites=True)
 ROWS = {
     "greedy": (lambda c: {}, {}),
     "greedy_single_prompt_no_mask": (lambda c: {}, dict(single=True)),
     "max_length": (lambda c: {"max_length": c.prompt_len + 6}, {}),
     "repetition_penalty": (lambda c: {"repetition_penalty": 3.0}, dict(bites=True)),
+    # The left padding holds the token greedy decoding emits first in that row: counted as a prompt token,
+    # the penalty would push it down (transformers skips the padding).
+    "repetition_penalty_pad_is_no_prompt": (lambda c: {"repetition_penalty": 1.5}, dict(bites=True, pad_ids=True)),
     "no_repeat_ngram_size": (lambda c: {"no_repeat_ngram_size": 1}, dict(bites=True)),
     "bad_words_ids": (lambda c: {"bad_words_ids": [[c.new(0, 1)], [c.new(1, 2), c.new(1, 3)]]}, dict(bites=True)),
     "eos_list": (lambda c: {"eos_token_id": [c.new(0, 2), c.new(1, 6)]}, dict(bites=True)),
@@ -123,6 +114,10 @@ ROWS = {
 
 def run(model, case, kwargs, options):
     ids, mask = (case.ids[:1, case.mask[0].bool()], None) if options.get("single") else (case.ids, case.mask)
+    if options.get("pad_ids"):
+        row = int(case.mask.eq(0).any(1).nonzero()[0])
+        ids = ids.clone()
+        ids[row, ~case.mask[row].bool()] = case.new(row, 0)
     kwargs = dict(kwargs)
     if not {"max_length", "generation_config"} & kwargs.keys():
         kwargs["max_new_tokens"] = NEW
