@@ -161,8 +161,7 @@ def _generate(model, input_ids, attention_mask, generation_config, logits_proces
     unfinished = torch.ones(batch, dtype=torch.long, device=device)
     length = prompt_len
     while True:
-        # A float32 copy, as transformers takes it: the processors write in place, and a compiled step may
-        # overwrite its output buffer on the next call.
+        # A float32 copy, as transformers takes it (and a compiled step may reuse its output buffer next call).
         raw = logits.to(dtype=torch.float32, copy=True)
         processed = processors(tokens_out[:, :length], raw)                   # [B, V]
         if scores is not None:

@@ -112,7 +112,9 @@ def special_tokens(config: GenerationConfig, device) -> tuple[Optional[Tensor], 
                                                                     device=device).reshape(-1)
     pad = None if config.pad_token_id is None else torch.as_tensor(config.pad_token_id, dtype=torch.long,
                                                                     device=device)
-    if pad is None and eos is not None and eos.numel():
+    if pad is None and eos is not None:
+        if not eos.numel():  # eos_token_id=[]: never stop on EOS (transformers would fail taking eos[0])
+            return None, None
         pad = eos[0]
     return eos, pad
 
