@@ -60,11 +60,11 @@ _REFUSED = (
 
 def prepare_config(defaults: Optional[GenerationConfig], generation_config: Optional[GenerationConfig],
                    kwargs: dict) -> tuple[GenerationConfig, dict]:
-    """The generation config of one call and the arguments that are not config fields (``tokenizer``).
+    """The generation config of one call, and extras: ``tokenizer`` (for stop_strings) and
+    ``default_max_length`` (max_length came from nowhere but the global default; transformers then counts it
+    from the prompt's end, and warns).
 
     Priority as in transformers: kwargs > ``generation_config`` > the model's ``defaults`` > global defaults.
-    Also returns whether max_length / min_length came from nowhere but the global defaults (transformers then
-    counts max_length from the prompt's end, and warns).
     """
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise ValueError(f"generation_config must be a transformers.GenerationConfig, got "
@@ -77,11 +77,8 @@ def prepare_config(defaults: Optional[GenerationConfig], generation_config: Opti
             raise ValueError(f"{name} is not served by H2O generate (greedy and sampling only); leave it None")
     defaults = defaults if defaults is not None else GenerationConfig()
 
-    def unset(field):
-        return (kwargs.get(field) is None and (generation_config is None or getattr(generation_config, field) is None)
-                and getattr(defaults, field) is None)
-
-    extras["default_max_length"], extras["default_min_length"] = unset("max_length"), unset("min_length")
+    extras["default_max_length"] = (kwargs.get("max_length") is None and defaults.max_length is None
+                                    and (generation_config is None or generation_config.max_length is None))
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     config.update(**defaults.to_dict(), defaults_only=True, allow_custom_entries=True)
     # A private staticmethod, but the one source of transformers' defaults (top_k=50, max_length=20, ...):

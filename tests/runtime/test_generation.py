@@ -71,12 +71,14 @@ def cases():
 
 # id -> (kwargs builder: Case -> dict, options). Options: bites (must differ from greedy), seed (sampling
 # rows reseed torch before each call), defaults (set on the model's generation_config for the call), single
-# (the first prompt alone, no attention_mask), pad_ids (the padded row's pad ids replaced, see the row).
+# (the first prompt alone, no attention_mask), pad_ids (the padded row's pad ids replaced, see the row),
+# no_length (no max_new_tokens: the length comes from the defaults).
 SAMPLE = dict(seed=True, bites=True)
 ROWS = {
     "greedy": (lambda c: {}, {}),
     "greedy_single_prompt_no_mask": (lambda c: {}, dict(single=True)),
     "max_length": (lambda c: {"max_length": c.prompt_len + 6}, {}),
+    "default_length": (lambda c: {}, dict(no_length=True)),  # transformers' 20 new tokens, and its warning
     "repetition_penalty": (lambda c: {"repetition_penalty": 3.0}, dict(bites=True)),
     # The left padding holds the token greedy decoding emits first in that row: counted as a prompt token,
     # the penalty would push it down (transformers skips the padding).
@@ -119,7 +121,7 @@ def run(model, case, kwargs, options):
         ids = ids.clone()
         ids[row, ~case.mask[row].bool()] = case.new(row, 0)
     kwargs = dict(kwargs)
-    if not {"max_length", "generation_config"} & kwargs.keys():
+    if not {"max_length", "generation_config"} & kwargs.keys() and not options.get("no_length"):
         kwargs["max_new_tokens"] = NEW
     defaults = case.model.generation_config
     saved = {k: getattr(defaults, k) for k in options.get("defaults", {})}
