@@ -120,7 +120,7 @@ def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, 
 @torch.no_grad()
 def _generate(model, input_ids, attention_mask, generation_config, logits_processor, stopping_criteria, streamer,
               kwargs):
-    from transformers.generation import GenerateDecoderOnlyOutput
+    from transformers import generation as hf
 
     mask = check_prompt(input_ids, attention_mask)
     config, extras = setup.prepare_config(getattr(model, "generation_config", None), generation_config, kwargs)
@@ -144,6 +144,10 @@ def _generate(model, input_ids, attention_mask, generation_config, logits_proces
     criteria = setup.stopping_criteria(config, eos, extras["tokenizer"], max_positions, stopping_criteria)
     # transformers pads finished rows whenever some criterion knows EOS ids (a custom one included).
     pads_finished = any(hasattr(c, "eos_token_id") for c in criteria)
+    # Only a criterion that can stop a row before the buffer is full needs checking each step (on a GPU the
+    # check waits for the step to finish); the max_length one stops exactly at the buffer's end.
+    width = config.max_length
+    early = [c for c in criteria if not (isinstance(c, hf.MaxLengthCriteria) and c.max_length >= width)]
     if pads_finished and pad is None:
         raise ValueError("rows that stop early are filled with pad_token_id, but neither pad_token_id nor a "
                          "non-empty eos_token_id is set: pass pad_token_id")
@@ -151,7 +155,6 @@ def _generate(model, input_ids, attention_mask, generation_config, logits_proces
     scores = () if keep and config.output_scores else None
     raw_logits = () if keep and config.output_logits else None
 
-    width = config.max_length
     tokens_out = torch.empty(batch, width, dtype=torch.long, device=device)   # [B, P + n], filled as we go
     tokens_out[:, :prompt_len] = input_ids
     model.reset(batch, width)
@@ -176,11 +179,11 @@ def _generate(model, input_ids, attention_mask, generation_config, logits_proces
             next_ids = next_ids * unfinished + pad * (1 - unfinished)
         tokens_out[:, length] = next_ids
         length += 1
-        unfinished = unfinished & ~criteria(tokens_out[:, :length], scores)
+        if early:
+            unfinished = unfinished & ~criteria(tokens_out[:, :length], scores)
         if streamer is not None:
             streamer.put(next_ids.cpu())
-        # The buffer bound holds even when a custom MaxLengthCriteria replaced the one built from max_length.
-        if length >= width or not bool(unfinished.any()):
+        if length >= width or (early and not bool(unfinished.any())):
             break
         logits = model.step(next_ids[:, None])[:, -1]
     if streamer is not None:
@@ -188,4 +191,4 @@ def _generate(model, input_ids, attention_mask, generation_config, logits_proces
     sequences = tokens_out[:, :length] if length < width else tokens_out
     if not keep:
         return sequences
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=raw_logits)
+    return hf.GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=raw_logits)
