@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_compile.cli import load_local
+from h2o_compile.zoo.loading import load_local
 from h2o_compile.quality.stream import stream_perplexity
 from h2o_compile.reporting import command_line, machine_description, markdown_table, write_json
 from h2o_compile.zoo.data import encode_stream

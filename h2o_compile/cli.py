@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
+from .arguments import csv_of
 from .config import POLICIES
+from .reporting import print_report
+from .zoo.loading import load_local
 
 
 def parse_budget(text: str):
@@ -39,38 +41,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
     return f"{n:.1f} GiB"
-
-
-def print_report(paths: dict) -> None:
-    """Show a command's markdown report and name every file it wrote (``paths``: kind -> Path)."""
-    print(paths["markdown"].read_text())
-    print(f"wrote {', '.join(str(p) for p in paths.values())}")
-
-
-def load_local(path: str, dtype: str = "float32"):
-    """(model, tokenizer) from a local folder, a local ``.gguf`` file, or a zoo name (``gemma3-270m``,
-    ``tiny``); never from a hub."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = Path(path)
-    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-    from . import zoo
-
-    if path in zoo.MODELS:
-        return zoo.load_model(path, torch_dtype)
-    if folder.suffix == ".gguf":
-        from .zoo import load_gguf
-
-        if not folder.is_file():
-            raise SystemExit(f"error: --model {path!r}: no such .gguf file")
-        return load_gguf(folder, torch_dtype)
-    if not (folder / "config.json").is_file():
-        raise SystemExit(f"error: --model {path!r} is not a folder with a config.json, a .gguf file, or one of "
-                         f"{', '.join(zoo.MODELS)} (only local models load)")
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch_dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return model, tokenizer
 
 
 def add_h2o_args(p: argparse.ArgumentParser) -> None:
@@ -105,9 +75,15 @@ def cmd_generate(args) -> int:
     encoded = tokenizer(args.prompt, return_tensors="pt")
     ids = encoded["input_ids"]
     start = time.perf_counter()
+    # --temperature 0 is greedy whatever the model's generation_config says; top-k / top-p left unset keep
+    # the model's defaults (transformers' top_k=50 when it sets none), as transformers' generate does.
+    sampling = dict(do_sample=False)
+    if args.temperature > 0:
+        sampling = dict(do_sample=True, temperature=args.temperature)
+        sampling.update({k: v for k, v in (("top_k", args.top_k), ("top_p", args.top_p)) if v is not None})
+    torch.manual_seed(args.seed)  # generate samples from torch's global generator, as transformers does
     out = runner.generate(ids, attention_mask=encoded.get("attention_mask"), max_new_tokens=args.max_new_tokens,
-                          do_sample=args.temperature > 0, temperature=max(args.temperature, 1e-5),
-                          top_k=args.top_k, top_p=args.top_p, generator=torch.Generator().manual_seed(args.seed))
+                          **sampling)
     elapsed = time.perf_counter() - start
     new = out.shape[1] - ids.shape[1]
     print(tokenizer.decode(out[0], skip_special_tokens=True))
@@ -120,23 +96,6 @@ def cmd_generate(args) -> int:
     print(kv_note)
     print(f"{new} new tokens in {elapsed:.2f} s: {new / elapsed:.1f} tokens/s (prefill included)")
     return 0
-
-
-def csv_of(kind):
-    def parse(text):
-        try:
-            return [kind(x) for x in text.split(",") if x]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} must be a comma-separated list of {kind.__name__}") from None
-    return parse
-
-
-def model_name(path) -> str:
-    if not path or path == "tiny":
-        return "tiny-llama"
-    from . import zoo
-
-    return path if path in zoo.MODELS else Path(path).name
 
 
 def cmd_demo(args) -> int:
@@ -235,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None, help="when sampling (default: the model's, else 50)")
+    gen.add_argument("--top-p", type=float, default=None, help="when sampling (default: the model's, else 1.0)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     gen.add_argument("--backend", choices=("torch", "onnx"), default="torch")
@@ -246,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_h2o_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    from .quality.commands import add_quality_parsers  # eval, eval-merge, stream (they import this module)
+    from .quality.commands import add_quality_parsers  # eval, eval-merge, stream
 
     add_quality_parsers(sub)
 

@@ -37,9 +37,10 @@ DEMO_PROMPTS = (
 
 def _run(h2o, tokenizer, prompt, new_tokens):
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    h2o.generate(ids[:, :8], max_new_tokens=2)  # warm-up: first call pays for lazy initialisation
+    # Greedy whatever the model's generation_config says (Gemma 3's samples), so both caches are comparable.
+    h2o.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up: the first call initialises lazily
     start = time.perf_counter()
-    out = h2o.generate(ids, max_new_tokens=new_tokens, eos_token_id=[])
+    out = h2o.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=[])
     elapsed = time.perf_counter() - start
     text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     return text, h2o.kv_cache_bytes(), new_tokens / elapsed, ids.shape[1]

@@ -1,17 +1,23 @@
 """generate() over any object with ``reset(batch_size, max_seq_len)`` and ``step(input_ids, attention_mask)``.
 
-Shared by H2OModel (PyTorch) and H2OOrtModel (ONNX Runtime) so both take transformers' argument names and
-return what transformers returns: the prompt followed by the new tokens, [B, prompt_len + new].
+Shared by H2OModel (PyTorch) and H2OOrtModel (ONNX Runtime) so both take transformers' arguments (a
+GenerationConfig plus keyword overrides, logits processors, stopping criteria, a streamer) and return what
+transformers returns: the prompt followed by the new tokens, [B, P + n], or a GenerateDecoderOnlyOutput.
+Everything that shapes the scores or stops a row is transformers' own class (see generation_setup); the loop
+only feeds the H2O cache, picks argmax or ``torch.multinomial`` of the softmax exactly as transformers'
+_sample does (so one ``torch.manual_seed`` gives both the same draws), and writes into a preallocated buffer.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
 from torch import Tensor
+
+from . import generation_setup as setup
 
 
 def check_prompt(input_ids, attention_mask) -> Optional[Tensor]:
@@ -75,49 +81,6 @@ def place_block(seen: Tensor, fed: int, max_seq_len: int, input_ids, attention_m
     return input_ids, valid, positions
 
 
-def _eos_tensor(eos_token_id, device) -> Optional[Tensor]:
-    if eos_token_id is None:
-        return None
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    return torch.tensor(ids, dtype=torch.long, device=device) if ids else None  # [] = never stop early
-
-
-def next_tokens(logits: Tensor, *, do_sample: bool, temperature: float, top_k: Optional[int],
-                top_p: Optional[float], generator: Optional[torch.Generator] = None) -> Tensor:
-    """logits [B, V] -> token ids [B]: argmax, or a sample after temperature / top-k / top-p filtering."""
-    if not do_sample:
-        return logits.argmax(dim=-1)
-    probs = sampling_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def sampling_probs(logits: Tensor, *, temperature: float, top_k: Optional[int], top_p: Optional[float]) -> Tensor:
-    """logits [B, V] -> the distribution [B, V] (fp32) sampling draws from: temperature, then top-k, then
-    top-p (nucleus), in transformers' order."""
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the smallest set reaching top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits.softmax(dim=-1)
-
-
-def check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
-    if do_sample and not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature={temperature!r} must be > 0 when sampling")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k={top_k!r} must be None or an int >= 1")
-    if top_p is not None and not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p={top_p!r} must be None or in (0, 1]")
-
-
 # One lock per model object: a generate call owns the model's single cache from reset to its last step, so
 # calls on one model from several threads run one after the other (never reading another call's cache).
 _LOCKS: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
@@ -132,50 +95,100 @@ def model_lock(model) -> threading.Lock:
         return lock
 
 
-def generate(model, *args, **kwargs) -> Tensor:
-    """Left-padded batch generation (see :func:`_generate`), serialized per model across threads."""
+def generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, generation_config=None,
+             logits_processor=None, stopping_criteria=None, streamer=None, **kwargs):
+    """transformers' generate (greedy / sampling) on ``model``'s H2O cache; serialized per model across threads.
+
+    ``model`` gives ``reset``, ``step``, ``device``, ``generation_config`` (its defaults, or None) and
+    ``config`` (for max_position_embeddings, or None).
+
+    Args:
+        input_ids: [B, P] int prompt ids, left-padded; attention_mask: [B, P] (0 = padding) or None.
+        generation_config, logits_processor, stopping_criteria, streamer, **kwargs: as transformers' generate
+            (``tokenizer=`` for stop_strings).
+    Returns:
+        [B * num_return_sequences, P + n] int64 on ``model.device``, n <= max_new_tokens (fewer when every row
+        stopped), finished rows padded with pad_token_id; or, with return_dict_in_generate,
+        transformers.GenerateDecoderOnlyOutput (sequences, scores / logits as asked; no cache object: the H2O
+        cache lives in ``model``).
+    """
     with model_lock(model):
-        return _generate(model, *args, **kwargs)
+        return _generate(model, input_ids, attention_mask, generation_config, logits_processor,
+                         stopping_criteria, streamer, kwargs)
 
 
 @torch.no_grad()
-def _generate(model, input_ids: Tensor, attention_mask: Optional[Tensor] = None, *, max_new_tokens: int = 20,
-             do_sample: bool = False, temperature: float = 1.0, top_k: Optional[int] = None,
-             top_p: Optional[float] = None, eos_token_id: Union[int, Sequence[int], None] = None,
-             pad_token_id: Optional[int] = None, streamer=None, generator: Optional[torch.Generator] = None
-             ) -> Tensor:
-    """Left-padded batch generation; finished rows are filled with ``pad_token_id`` like transformers does.
+def _generate(model, input_ids, attention_mask, generation_config, logits_processor, stopping_criteria, streamer,
+              kwargs):
+    from transformers import generation as hf
 
-    Args:
-        input_ids: [B, P] prompt ids (left-padded); attention_mask: [B, P] or None.
-    Returns:
-        [B, P + n] with n <= max_new_tokens (fewer when every row hit an EOS).
-    """
     mask = check_prompt(input_ids, attention_mask)
-    check_generate_args(max_new_tokens, do_sample, temperature, top_k, top_p)
-    eos = _eos_tensor(eos_token_id, input_ids.device)
-    if eos is not None and pad_token_id is None:
-        pad_token_id = int(eos[0])
+    config, extras = setup.prepare_config(getattr(model, "generation_config", None), generation_config, kwargs)
+    if input_ids.device.type == "cpu":  # before the move: a check on a GPU tensor would sync
+        check_token_ids(input_ids, getattr(model, "vocab_size", None))
+    device = model.device
+    input_ids = input_ids.to(device, torch.long)
+    mask = mask.to(device) if mask is not None else None
+    eos, pad = setup.special_tokens(config, device)
+    if mask is None:
+        mask = setup.infer_mask(input_ids, eos, pad)
+    if mask is not None and bool(mask.all()):
+        mask = None  # as transformers: an all-ones mask is no mask (the repetition penalty then sees no padding)
+    if config.num_return_sequences > 1:
+        input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
+        mask = mask.repeat_interleave(config.num_return_sequences, dim=0) if mask is not None else None
     batch, prompt_len = input_ids.shape
-    model.reset(batch, prompt_len + max_new_tokens)
+    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    setup.lengths(config, extras, prompt_len, max_positions)
+    processors = setup.logits_processors(config, prompt_len, mask, eos, device, logits_processor)
+    criteria = setup.stopping_criteria(config, eos, extras["tokenizer"], max_positions, stopping_criteria)
+    # transformers pads finished rows whenever some criterion knows EOS ids (a custom one included).
+    pads_finished = any(hasattr(c, "eos_token_id") for c in criteria)
+    # Only a criterion that can stop a row before the buffer is full needs checking each step (on a GPU the
+    # check waits for the step to finish); the max_length one stops exactly at the buffer's end.
+    width = config.max_length
+    early = [c for c in criteria if not (isinstance(c, hf.MaxLengthCriteria) and c.max_length >= width)]
+    if pads_finished and pad is None:
+        raise ValueError("rows that stop early are filled with pad_token_id, but neither pad_token_id nor a "
+                         "non-empty eos_token_id is set: pass pad_token_id")
+    keep = config.return_dict_in_generate
+    scores = () if keep and config.output_scores else None
+    raw_logits = () if keep and config.output_logits else None
+
+    tokens_out = torch.empty(batch, width, dtype=torch.long, device=device)   # [B, P + n], filled as we go
+    tokens_out[:, :prompt_len] = input_ids
+    model.reset(batch, width)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    logits = model.step(input_ids, mask, logits_to_keep=1)[:, -1]
-    unfinished = torch.ones(batch, dtype=torch.bool, device=input_ids.device)
-    pieces = [input_ids]
-    for i in range(max_new_tokens):
-        tokens = next_tokens(logits, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                             generator=generator).to(input_ids.dtype)
-        if eos is not None:
-            tokens = torch.where(unfinished, tokens, torch.full_like(tokens, pad_token_id))
-            unfinished &= ~torch.isin(tokens, eos)
-        pieces.append(tokens[:, None])
+    logits = model.step(input_ids, mask, logits_to_keep=1)[:, -1]             # [B, V]
+    unfinished = torch.ones(batch, dtype=torch.long, device=device)
+    length = prompt_len
+    while True:
+        # A float32 copy, as transformers takes it (and a compiled step may reuse its output buffer next call).
+        raw = logits.to(dtype=torch.float32, copy=True)
+        processed = processors(tokens_out[:, :length], raw)                   # [B, V]
+        if scores is not None:
+            scores += (processed,)
+        if raw_logits is not None:
+            raw_logits += (raw,)
+        if config.do_sample:
+            next_ids = torch.multinomial(torch.softmax(processed, dim=-1), num_samples=1).squeeze(1)
+        else:
+            next_ids = torch.argmax(processed, dim=-1)
+        if pads_finished:
+            next_ids = next_ids * unfinished + pad * (1 - unfinished)
+        tokens_out[:, length] = next_ids
+        length += 1
+        if early:
+            unfinished = unfinished & ~criteria(tokens_out[:, :length], scores)
         if streamer is not None:
-            streamer.put(tokens.cpu())
-        if eos is not None and not bool(unfinished.any()):
+            streamer.put(next_ids.cpu())
+        if length >= width or (early and not bool(unfinished.any())):
             break
-        if i + 1 < max_new_tokens:
-            logits = model.step(tokens[:, None])[:, -1]
+        logits = model.step(next_ids[:, None])[:, -1]
     if streamer is not None:
         streamer.end()
-    return torch.cat(pieces, dim=1)
+    sequences = tokens_out[:, :length] if length < width else tokens_out
+    if not keep:
+        return sequences
+    return hf.GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=raw_logits)

@@ -31,6 +31,12 @@ def command_line() -> str:
                      *sys.argv[1:]])
 
 
+def print_report(paths: dict) -> None:
+    """Show a command's markdown report and name every file it wrote (``paths``: kind -> Path)."""
+    print(paths["markdown"].read_text())
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     def fmt(x):
         return f"{x:.3f}" if isinstance(x, float) else str(x)

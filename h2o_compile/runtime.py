@@ -294,24 +294,27 @@ class H2OModel(nn.Module):
                 self._last_logits_graph = lambda *inputs: self.graph(*inputs)[:, -1:]
         return self._last_logits_graph
 
-    def generate(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, max_new_tokens: int = 20,
-                 do_sample: bool = False, temperature: float = 1.0, top_k: Optional[int] = None,
-                 top_p: Optional[float] = None, eos_token_id=None, pad_token_id=None, streamer=None,
-                 generator: Optional[torch.Generator] = None) -> Tensor:
-        """transformers-style generation with the H2O cache sized for prompt + max_new_tokens.
+    def generate(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, generation_config=None,
+                 logits_processor=None, stopping_criteria=None, streamer=None, **kwargs):
+        """transformers' ``generate`` (greedy and sampling) with the H2O cache sized for prompt + new tokens.
 
-        ``eos_token_id`` / ``pad_token_id`` default to the model's generation_config, as in transformers.
-        Returns [B, P + n]: the prompt followed by up to ``max_new_tokens`` new tokens.
+        The arguments are transformers': the model's generation_config, overridden by ``generation_config``
+        and the keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+        ``repetition_penalty``, ``no_repeat_ngram_size``, ``bad_words_ids``, ``min_new_tokens``,
+        ``stop_strings`` with ``tokenizer=``, ``eos_token_id``, ``num_return_sequences``,
+        ``return_dict_in_generate``, ``output_scores``, ``output_logits``, ...); sampling draws from torch's
+        global generator, so ``torch.manual_seed`` makes it repeatable. Beam search and the other modes
+        raise ValueError naming the argument (see :mod:`h2o_compile.generation_setup`).
+        Returns [B, P + n] (the prompt followed by up to max_new_tokens new tokens) or a
+        GenerateDecoderOnlyOutput.
         """
-        defaults = getattr(self.model, "generation_config", None)
-        if eos_token_id is None and defaults is not None:
-            eos_token_id = defaults.eos_token_id
-        if pad_token_id is None and defaults is not None:
-            pad_token_id = defaults.pad_token_id
-        return generation.generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                                   do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                                   eos_token_id=eos_token_id, pad_token_id=pad_token_id, streamer=streamer,
-                                   generator=generator)
+        return generation.generate(self, input_ids, attention_mask, generation_config, logits_processor,
+                                   stopping_criteria, streamer, **kwargs)
+
+    @property
+    def generation_config(self):
+        """The wrapped model's GenerationConfig: generate's defaults, as in transformers."""
+        return getattr(self.model, "generation_config", None)
 
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
         return self.step(input_ids, attention_mask)

@@ -21,3 +21,16 @@ class CollectStreamer:
 
     def end(self):
         self.ended = True
+
+
+def stop_string_tokenizer(vocab: int):
+    """Words w0..w{vocab-3} as ids 2..vocab-1, for StopStringCriteria: it finds each token's text by decoding it
+    after the word "abcdef", so that word is in the vocabulary too (id 1)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "abcdef"] + [f"w{i}" for i in range(vocab - 2)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.WordPiece()  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")

@@ -64,11 +64,18 @@ CASES = [
     ("generate float ids", lambda m, o: m.generate(ids.float()), ValueError, "torch.float32"),
     ("generate right padding", lambda m, o: m.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 0]])),
      ValueError, "pad prompts on the left"),
-    ("generate max_new_tokens", lambda m, o: m.generate(ids, max_new_tokens=0), ValueError, "max_new_tokens=0"),
+    # generate's own arguments are checked by transformers (GenerationConfig and its processors), in its words.
+    ("generate max_new_tokens", lambda m, o: m.generate(ids, max_new_tokens=0), ValueError,
+     "`max_new_tokens` must be greater than 0, but is 0"),
     ("generate temperature", lambda m, o: m.generate(ids, do_sample=True, temperature=0.0), ValueError,
-     "temperature=0.0"),
-    ("generate top_k", lambda m, o: m.generate(ids, top_k=0), ValueError, "top_k=0"),
-    ("generate top_p", lambda m, o: m.generate(ids, top_p=1.5), ValueError, "top_p=1.5"),
+     "`temperature` (=0.0) has to be a strictly positive float"),
+    ("generate top_k", lambda m, o: m.generate(ids, do_sample=True, top_k=-1), ValueError,
+     "`top_k` has to be a strictly positive integer, but is -1"),
+    ("generate top_p", lambda m, o: m.generate(ids, do_sample=True, top_p=-0.5), ValueError,
+     "`top_p` has to be a float > 0 and < 1, but is -0.5"),  # transformers reads top_p >= 1 as "no top-p"
+    ("generate num_beams", lambda m, o: m.generate(ids, num_beams=3), ValueError, "num_beams=3"),
+    ("generate unknown kwarg", lambda m, o: m.generate(ids, temprature=0.5), ValueError, "temprature"),
+    ("onnx generate num_beams", lambda m, o: o.generate(ids, num_beams=2), ValueError, "num_beams=2"),
     ("generate token id", lambda m, o: m.generate(torch.tensor([[3, 10_000]])), ValueError, "token id 10000"),
     ("export opset", lambda m, o: h2o_compile.export_onnx(build("llama"), "/nonexistent", opset=11), ValueError,
      "opset=11"),
@@ -92,8 +99,10 @@ def test_bad_input_is_rejected_naming_the_value(opt, ort_model, name, call, erro
 
 @pytest.mark.parametrize("argv,text", [
     (["generate", "--budget", "1.5", "--prompt", "w1"], "budget=1.5"),
-    (["generate", "--budget", "0.5", "--prompt", "w1", "--max-new-tokens", "0"], "max_new_tokens=0"),
-    (["generate", "--budget", "0.5", "--prompt", "w1", "--top-p", "2"], "top_p=2.0"),
+    (["generate", "--budget", "0.5", "--prompt", "w1", "--max-new-tokens", "0"],
+     "`max_new_tokens` must be greater than 0, but is 0"),
+    (["generate", "--budget", "0.5", "--prompt", "w1", "--temperature", "0.7", "--top-p=-2"],
+     "`top_p` has to be a float > 0 and < 1, but is -2.0"),
     (["export", "-o", "/nonexistent", "--opset", "12"], "opset=12"),
 ])
 def test_cli_input_errors_are_one_line(model_dir, capsys, argv, text):

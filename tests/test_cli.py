@@ -32,9 +32,9 @@ def test_bad_budget_is_one_line_error(model_dir, capsys):
     assert "budget=1.5" in capsys.readouterr().err
 
 
-def test_missing_model_folder_is_an_error(tmp_path):
-    with pytest.raises(SystemExit, match="not a folder with a config.json"):
-        main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"])
+def test_missing_model_folder_is_an_error(tmp_path, capsys):
+    assert main(["generate", "--model", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
+    assert "not a folder with a config.json" in capsys.readouterr().err
 
 
 def test_export_then_generate_with_onnx_backend_matches_torch(model_dir, tmp_path, capsys):
@@ -52,11 +52,11 @@ def test_export_then_generate_with_onnx_backend_matches_torch(model_dir, tmp_pat
 
 
 def test_model_arguments_take_gguf_files_and_zoo_names(tmp_path):
-    from h2o_compile.cli import load_local
+    from h2o_compile.zoo.loading import load_local
 
-    with pytest.raises(SystemExit, match="no such .gguf file"):
+    with pytest.raises(FileNotFoundError, match="no such .gguf file"):
         load_local(str(tmp_path / "model.gguf"))
-    with pytest.raises(SystemExit, match="a .gguf file, or one of gemma3-270m, tiny"):
+    with pytest.raises(ValueError, match="a .gguf file, or one of gemma3-270m, tiny"):
         load_local(str(tmp_path / "nothing-here"))
     model, tokenizer = load_local("tiny")
     assert model.config.model_type == "llama" and tokenizer("the river")["input_ids"]

@@ -127,7 +127,7 @@ class Server:
         streamer = _FirstToken()
         self.first_token = streamer
         if self.name.startswith("h2o"):
-            out = self.h2o.generate(ids, mask, max_new_tokens=n, streamer=streamer)
+            out = self.h2o.generate(ids, mask, max_new_tokens=n, do_sample=False, streamer=streamer)
             self.kv.append((self.h2o.kv_cache_bytes(), self.h2o.full_cache_bytes(ids.shape[0], ids.shape[1] + n)))
             return out
         kwargs = dict(attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=streamer)

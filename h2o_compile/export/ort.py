@@ -247,24 +247,17 @@ class H2OOrtModel:
             return logits[-1][:, -1:]
         return logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
 
-    def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 20,
-                 do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, eos_token_id=None, pad_token_id=None, streamer=None,
-                 generator: torch.Generator | None = None) -> Tensor:
-        """transformers-style generation, as :meth:`H2OModel.generate`; prompt + max_new_tokens must not
-        exceed the exported max_seq_len (ValueError). Returns [B, P + n] on ``self.device``."""
-        defaults = self.generation_config
-        if eos_token_id is None and defaults is not None:
-            eos_token_id = defaults.eos_token_id
-        if pad_token_id is None and defaults is not None:
-            pad_token_id = defaults.pad_token_id
-        if isinstance(input_ids, Tensor):
-            input_ids = input_ids.to(self.device)
-            attention_mask = attention_mask.to(self.device) if attention_mask is not None else None
-        return generation.generate(self, input_ids, attention_mask, max_new_tokens=max_new_tokens,
-                                   do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-                                   eos_token_id=eos_token_id, pad_token_id=pad_token_id, streamer=streamer,
-                                   generator=generator)
+    def generate(self, input_ids: Tensor, attention_mask: Tensor | None = None, generation_config=None,
+                 logits_processor=None, stopping_criteria=None, streamer=None, **kwargs):
+        """transformers-style generation, as :meth:`H2OModel.generate` (same arguments, same loop; the defaults
+        are the exported generation_config); prompt + new tokens must not exceed the exported max_seq_len
+        (ValueError). Returns [B, P + n] on ``self.device``, or a GenerateDecoderOnlyOutput."""
+        return generation.generate(self, input_ids, attention_mask, generation_config, logits_processor,
+                                   stopping_criteria, streamer, **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         return self.step(input_ids, attention_mask)

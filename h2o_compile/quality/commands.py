@@ -6,8 +6,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..cli import csv_of, load_local, model_name, print_report
+from ..arguments import csv_of
 from ..config import POLICIES, POSITIONS
+from ..reporting import print_report
+from ..zoo.loading import load_local, model_name
 
 
 def cmd_eval(args) -> int:

@@ -185,5 +185,5 @@ def _record_bytes(result: EvalResult, label: str, budget: float, h2o, rows: int,
 
 def _generations(h2o, prompts, settings: EvalSettings) -> list[list[int]]:
     """Greedy continuations of ``prompts`` [N, P] (EOS ignored), as token lists."""
-    return h2o.generate(prompts, max_new_tokens=settings.gen_new_tokens, eos_token_id=[],
+    return h2o.generate(prompts, max_new_tokens=settings.gen_new_tokens, do_sample=False, eos_token_id=[],
                         pad_token_id=0)[:, settings.gen_prompt_len:].tolist()

@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 
 from .gemma import gemma3_270m_path, load_gemma3_270m, load_gguf
+from .loading import load_local, model_name
 
 TINY_LLAMA_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
 
-__all__ = ["MODELS", "TINY_LLAMA_DIR", "gemma3_270m_path", "load_gemma3_270m", "load_gguf", "load_model",
-           "load_tiny"]
+__all__ = ["MODELS", "TINY_LLAMA_DIR", "gemma3_270m_path", "load_gemma3_270m", "load_gguf", "load_local",
+           "load_model", "load_tiny", "model_name"]
 
 
 def load_tiny(dtype: torch.dtype = torch.float32):

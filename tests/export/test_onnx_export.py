@@ -21,7 +21,7 @@ from h2o_compile.export.onnx import export_onnx
 from h2o_compile.export.onnx_function import DOMAIN, FUNCTION_NAME
 from h2o_compile.export.ort import H2OOrtModel
 
-from ..helpers import CollectStreamer
+from ..helpers import CollectStreamer, stop_string_tokenizer
 from ..runtime.arch_configs import VOCAB, build
 
 MAX_SEQ_LEN = 64
@@ -251,7 +251,7 @@ def test_bad_ort_arguments_raise_value_error(exported, tmp_path):
 
 def test_export_from_an_h2o_model_samples_and_streams_like_it(tmp_path):
     """export_onnx takes an H2OModel and keeps its settings; seeded sampling through H2OOrtModel draws the same
-    tokens as the H2OModel (same logits, same generator), and a streamer sees the prompt then every token."""
+    tokens as the H2OModel (same logits, same torch seed), and a streamer sees the prompt then every token."""
     settings = {"budget": 6, "policy": "random", "seed": 4, "sink_tokens": 1}
     theirs = h2o_compile.optimize(build("llama", seed=1), compile=False, **settings)
     out = export_onnx(theirs, tmp_path / "from_h2o", max_seq_len=MAX_SEQ_LEN)
@@ -261,11 +261,53 @@ def test_export_from_an_h2o_model_samples_and_streams_like_it(tmp_path):
     ids, mask = prompts(seed=9)
     sample = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_k=30, top_p=0.95, pad_token_id=0)
     streamer = CollectStreamer()
-    a = ours.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(2), streamer=streamer,
-                      **sample)
-    b = theirs.generate(ids, attention_mask=mask, generator=torch.Generator().manual_seed(2), **sample)
+    torch.manual_seed(2)
+    a = ours.generate(ids, attention_mask=mask, streamer=streamer, **sample)
+    torch.manual_seed(2)
+    b = theirs.generate(ids, attention_mask=mask, **sample)
     assert torch.equal(a, b)
     assert streamer.ended and torch.equal(streamer.chunks[0], ids)
     assert torch.equal(torch.stack([c for c in streamer.chunks[1:]], dim=1), a[:, ids.shape[1]:])
     greedy = theirs.generate(ids, attention_mask=mask, max_new_tokens=16, pad_token_id=0)
     assert not torch.equal(a, greedy), "sampling drew exactly the greedy tokens: the sampling flags did nothing"
+
+
+# Arguments of generate on an existing export (gpt2, budget 7): a prompt of 3 and 5 new tokens feed 7 tokens,
+# so nothing is evicted and H2OOrtModel must equal transformers' own generate. pad_token_id: gpt2's EOS
+# (the pad fallback) is outside the test vocabulary.
+ORT_ROWS = {
+    "greedy": lambda g, tok: {},
+    "repetition_no_repeat_ngram": lambda g, tok: {"repetition_penalty": 1.5, "no_repeat_ngram_size": 1},
+    "eos_list_min_new_tokens": lambda g, tok: {"eos_token_id": [int(g[0, 4]), int(g[1, 6])], "min_new_tokens": 3},
+    "stop_strings": lambda g, tok: {"stop_strings": [tok.decode([int(g[1, 5])])], "tokenizer": tok},
+    "seeded_sampling_num_return_sequences": lambda g, tok: {"do_sample": True, "temperature": 1.5, "top_k": 20,
+                                                           "num_return_sequences": 2},
+    "return_dict_scores": lambda g, tok: {"do_sample": True, "return_dict_in_generate": True,
+                                          "output_scores": True},
+}
+
+
+@pytest.mark.parametrize("row", list(ORT_ROWS))
+def test_generate_arguments_equal_transformers(exported, row):
+    model, out = exported("gpt2_local_chunked")
+    ours = H2OOrtModel.from_pretrained(out, provider="cpu")
+    ids = torch.randint(1, VOCAB, (2, 3), generator=torch.Generator().manual_seed(11))
+    mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    ids[1, 0] = 0
+    common = dict(attention_mask=mask, max_new_tokens=5, pad_token_id=0)
+    greedy = model.generate(ids, do_sample=False, **common)
+    kwargs = ORT_ROWS[row](greedy, stop_string_tokenizer(VOCAB))
+    results = []
+    for runner in (model, ours):
+        torch.manual_seed(3)
+        results.append(runner.generate(ids, **common, **kwargs))
+    theirs, mine = results
+    if row == "return_dict_scores":
+        for a, b in zip(mine.scores, theirs.scores, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        mine, theirs = mine.sequences, theirs.sequences
+    assert torch.equal(mine, theirs)
+    if row != "greedy":
+        assert not (theirs.shape == greedy.shape and torch.equal(theirs, greedy)), "the row changed nothing"
+    with pytest.raises(ValueError, match="num_beams=2"):
+        ours.generate(ids, num_beams=2, **common)

@@ -46,8 +46,10 @@ def test_chunked_prefill_equals_simulation_with_the_same_blocks(llama):
 def test_sampling_is_seeded_and_top_k_one_is_greedy(llama):
     opt = h2o_compile.optimize(llama, budget=0.5, compile=False)
     ids = torch.randint(1, VOCAB, (2, 6))
-    a = opt.generate(ids, max_new_tokens=8, do_sample=True, top_p=0.9, generator=torch.Generator().manual_seed(1))
-    b = opt.generate(ids, max_new_tokens=8, do_sample=True, top_p=0.9, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(1)
+    a = opt.generate(ids, max_new_tokens=8, do_sample=True, top_p=0.9)
+    torch.manual_seed(1)
+    b = opt.generate(ids, max_new_tokens=8, do_sample=True, top_p=0.9)
     assert torch.equal(a, b)
     greedy = opt.generate(ids, max_new_tokens=8)
     top1 = opt.generate(ids, max_new_tokens=8, do_sample=True, top_k=1, temperature=0.7)
@@ -80,10 +82,11 @@ def test_streamer_sees_prompt_then_each_token(llama):
     (lambda opt: opt.generate(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 1],
                                                                                                 [1, 1, 1, 0]])),
      ValueError, "pad prompts on the left"),
-    (lambda opt: opt.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=0), ValueError, "max_new_tokens=0"),
+    (lambda opt: opt.generate(torch.ones(1, 4, dtype=torch.long), max_new_tokens=0), ValueError,
+     "max_new_tokens. must be greater than 0"),
     (lambda opt: opt.generate(torch.ones(1, 4)), ValueError, "integer tensor"),
     (lambda opt: opt.generate(torch.ones(1, 4, dtype=torch.long), do_sample=True, temperature=0), ValueError,
-     "temperature=0"),
+     "temperature. .=0. has to be a strictly positive float"),
     (lambda opt: opt.kept_positions(0), RuntimeError, "call reset"),
     (lambda opt: opt.reset(0, 10), ValueError, "batch_size=0"),
     (lambda opt: (opt.reset(2, 8), opt.step(torch.ones(3, 2, dtype=torch.long))), ValueError, "batch=2"),
