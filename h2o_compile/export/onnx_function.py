@@ -193,6 +193,8 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     out = op.Add(op.MatMul(op.Slice(probs, [0], cap, [3]), op.Cast(value_cache, to=FLOAT.dtype)),
                  op.MatMul(op.Slice(probs, cap, int_max, [3]), op.Cast(v_new, to=FLOAT.dtype)))
     out = op.CastLike(op.Reshape(out, op.Concat(b, [-1], t, dv, axis=0)), q)          # [B, Hq, T, Dv]
+    # Only policy h2o reads scores: the others keep them at 0, as the torch backends do.
+    mass = op.Mul(mass, op.Cast(op.Equal(op.Constant(value_int=policy), zero_i), to=FLOAT.dtype))  # [B, Hkv, S]
     all_scores = op.Add(op.Concat(carried, op.ConstantOfShape(op.Shape(new_pos_h)), axis=2), mass)
 
     # ---- eviction priority (larger stays) ------------------------------------------------------------

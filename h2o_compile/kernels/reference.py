@@ -35,6 +35,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from . import cpu_prefill
 from .rolling import RopeTables, rotate_block
 from .rules import POLICY_CODES, EvictionRule, parse_rule, random_priority  # noqa: F401  (re-exported)
 from .rules import carried_scores, eviction_priority, live_entries, pool_block_scores, query_weights
@@ -175,9 +176,14 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
     all_pos = torch.cat([pos_cache, new_pos], dim=2)                            # [B, Hkv, C+T]
     q_seen, k_seen, state_seen = rolled_inputs(q, k, valid, state, rope)
     keys_seen = all_keys if rope is None else torch.cat([state_seen.key_cache, k_seen.to(key_cache.dtype)], dim=2)
-    out, mass = attend(q_seen, keys_seen, all_values, all_pos, positions, valid, scale, new_from=cap,
-                       window=window, softcap=softcap, sink_logits=sink_logits,
-                       query_weight=query_weights(rule, positions, valid, query_from))
+    weight = query_weights(rule, positions, valid, query_from)
+    if cpu_prefill.supports(q_seen, softcap):  # torch's fused attention, the mass only where a rule reads it
+        out, mass = cpu_prefill.attend_sdpa(q_seen, keys_seen, all_values, all_pos, positions, valid, scale,
+                                            new_from=cap, window=window, sink_logits=sink_logits,
+                                            query_weight=weight, need_mass=rule.reads_mass)
+    else:
+        out, mass = attend(q_seen, keys_seen, all_values, all_pos, positions, valid, scale, new_from=cap,
+                           window=window, softcap=softcap, sink_logits=sink_logits, query_weight=weight)
     all_scores = block_scores(rule, score_cache, mass, valid, query_from)
     new_state = compress(H2OState(all_keys, all_values, all_scores, all_pos), newest, cap, recent=recent,
                          sinks=sinks, policy=policy, seed=seed, window=window)
@@ -195,6 +201,8 @@ def block_scores(rule: EvictionRule, score_cache: Tensor, mass: Tensor, valid: T
     Returns:
         [B, Hkv, C+T] fp32.
     """
+    if not rule.reads_mass:  # local, sink, random, full: nothing reads a score, so none is kept
+        return torch.zeros_like(mass)
     cap = score_cache.shape[-1]
     old = carried_scores(rule, score_cache, valid) + mass[..., :cap]
     new = mass[..., cap:]
@@ -340,7 +348,10 @@ def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, new
     weight = None if query_from is None else query_weights(rule, positions, valid, query_from)
     if weight is not None:                                                       # [B, 1]
         mass_cache, mass_new = mass_cache * weight[:, :, None], mass_new * weight[:, :, None]
-    scores = carried_scores(rule, score_cache, valid) + mass_cache               # [B, Hkv, C]
+    if rule.reads_mass:
+        scores = carried_scores(rule, score_cache, valid) + mass_cache           # [B, Hkv, C]
+    else:  # nothing reads a score: they stay 0 (a constant branch, as the rule is a constant of the graph)
+        scores, mass_new = score_cache, torch.zeros_like(mass_new)
     priority = eviction_priority(rule, scores, pos_cache, newest, recent, sinks, seed, window)
     lowest = priority == priority.amin(dim=-1, keepdim=True)
     tie_pos = torch.where(lowest, pos_cache, torch.full_like(pos_cache, torch.iinfo(torch.int64).max))

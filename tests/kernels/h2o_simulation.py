@@ -76,7 +76,8 @@ class SimulatedCache:
                 if g == 0:  # time passes once per query, not once per head of the group
                     for p in self.score:
                         self.score[p] *= self.decay
-                if counted is None or t in counted:
+                # Only h2o reads scores; the other policies keep none (every backend leaves them at 0).
+                if self.policy == "h2o" and (counted is None or t in counted):
                     for p, pr in zip(visible, probs):
                         self.score[p] += pr
         if prompt and self.pool > 1:

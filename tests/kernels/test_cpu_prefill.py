@@ -1,0 +1,80 @@
+"""The fused CPU prefill (kernels/cpu_prefill.py) against the executable spec ``reference.attend``: outputs and
+per-key mass for every attention kind it serves, with padding, GQA / MQA, a cache of other heads' positions,
+query weights and dtypes; and the op takes it on every layer it supports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2o_compile.kernels import cpu_prefill, reference
+
+from ..helpers import sink_logits_for
+
+# (B, Hq, Hkv, T, C, D): MHA, GQA, MQA, one query chunk and several (T x S above the chunk size)
+SHAPES = [(2, 4, 4, 7, 5, 16), (3, 8, 2, 33, 17, 32), (2, 8, 1, 20, 0, 64), (1, 4, 2, 1200, 900, 16)]
+
+
+def _inputs(shape, dtype, seed=0):
+    b, hq, hkv, t, cap, d = shape
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, t, d, generator=gen).to(dtype)
+    keys = torch.randn(b, hkv, cap + t, d, generator=gen).to(dtype)
+    values = torch.randn(b, hkv, cap + t, d, generator=gen).to(dtype)
+    valid = torch.ones(b, t, dtype=torch.bool)
+    if b > 1:
+        valid[1, : t // 3] = False  # left padding
+    positions = (cap + valid.long().cumsum(1) - 1).clamp(min=0)
+    # The cache: per head a different set of older positions, some slots empty (-1).
+    old = torch.stack([torch.randperm(cap + 5, generator=gen)[:cap] for _ in range(b * hkv)]).view(b, hkv, cap)
+    old = torch.where(torch.rand(b, hkv, cap, generator=gen) < 0.2, -1, old)
+    new = torch.where(valid, positions, -1)[:, None, :].expand(b, hkv, t)
+    positions = positions + 5  # the block comes after every cached position
+    new = torch.where(new >= 0, new + 5, new)
+    return q, keys, values, torch.cat([old, new], dim=2), positions, valid
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_hq{}_hkv{}_t{}_c{}_d{}".format(*s))
+@pytest.mark.parametrize("kind", ["plain", "window", "sinks", "weights"])
+def test_fused_prefill_equals_the_spec(shape, kind):
+    q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32)
+    kw = dict(window=6 if kind == "window" else 0,
+              sink_logits=sink_logits_for(shape[1], "cpu") if kind == "sinks" else None)
+    weight = None
+    if kind == "weights":
+        weight = torch.rand(positions.shape, generator=torch.Generator().manual_seed(1))
+    cap = shape[4]
+    out, mass = cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, 0.3, new_from=cap,
+                                        query_weight=weight, **kw)
+    want_out, want_mass = reference.attend(q, keys, values, key_pos, positions, valid, 0.3, new_from=cap,
+                                           query_weight=weight, **kw)
+    torch.testing.assert_close(out, want_out, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(mass, want_mass, rtol=1e-4, atol=1e-4)
+    assert not cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, 0.3, new_from=cap,
+                                       need_mass=False, **kw)[1].any()
+
+
+def test_bf16_is_within_its_rounding():
+    """bf16 in and out: the output no further from fp32 than the spec's bf16 result (2x), the mass in fp32."""
+    shape = (2, 8, 2, 40, 24, 64)
+    q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, seed=3)
+    want_out, want_mass = reference.attend(q, keys, values, key_pos, positions, valid, 0.125, new_from=24)
+    low = [x.bfloat16() for x in (q, keys, values)]
+    out, mass = cpu_prefill.attend_sdpa(*low, key_pos, positions, valid, 0.125, new_from=24)
+    spec_out, _ = reference.attend(*low, key_pos, positions, valid, 0.125, new_from=24)
+    assert out.dtype == torch.bfloat16
+    err, spec_err = (out.float() - want_out).abs().max(), (spec_out.float() - want_out).abs().max()
+    assert err <= 2 * spec_err + 1e-3, (err, spec_err)
+    torch.testing.assert_close(mass, want_mass, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("softcap,taken", [(0.0, True), (30.0, False)])
+def test_the_op_takes_the_fused_path_where_it_applies(monkeypatch, softcap, taken):
+    calls = []
+    real = cpu_prefill.attend_sdpa
+    monkeypatch.setattr(cpu_prefill, "attend_sdpa", lambda *a, **k: calls.append(1) or real(*a, **k))
+    q, keys, values, key_pos, positions, valid = _inputs((1, 4, 2, 6, 0, 16), torch.float32)
+    state = reference.empty_state(1, 2, 4, 16)
+    reference.h2o_attention(q, keys, values, positions, valid, state, scale=0.3, recent=1, sinks=0, policy="h2o",
+                            softcap=softcap)
+    assert bool(calls) is taken
