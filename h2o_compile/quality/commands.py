@@ -133,10 +133,12 @@ def cmd_tasks(args) -> int:
     for budget in args.budgets:
         for policy in args.policies:
             for rule in (args.rules if policy == "h2o" else ["sum"]):
-                configs.append(TaskConfig(policy, budget, rule, args.compress_sliding, args.sink_tokens))
+                for ratio in args.recent_ratios:
+                    configs.append(TaskConfig(policy, budget, rule, args.compress_sliding, args.sink_tokens, ratio))
     settings = dict(tasks=args.tasks, lengths=args.lengths, samples=args.samples, seed=args.seed,
                     budgets=args.budgets, policies=args.policies, rules=args.rules,
                     compress_sliding=args.compress_sliding, sink_tokens=args.sink_tokens,
+                    recent_ratios=args.recent_ratios,
                     filler=[Path(p).name for p in args.text])
 
     def write_partial(run):  # an interrupted run keeps the configurations it finished
@@ -204,6 +206,8 @@ def add_quality_parsers(sub) -> None:
     tk.add_argument("--compress-sliding", action="store_true",
                     help="compress sliding-window layers to the budget too (default: they keep their window)")
     tk.add_argument("--sink-tokens", type=int, default=None, help="sink tokens of h2o (default 0; sink: 4)")
+    tk.add_argument("--recent-ratios", type=csv_of(float), default=[0.5],
+                    help="shares of the cache for the recent window, one configuration each (0.5)")
     tk.add_argument("--no-full", action="store_true", help="skip the full-cache reference row")
     tk.add_argument("--text", nargs="+", required=True, help="prose text file(s) the filler is cut from")
     tk.add_argument("--seed", type=int, default=0, help="seed of the generated samples (0)")

@@ -49,6 +49,7 @@ class TaskConfig:
     rule: str = "sum"
     compress_sliding: bool = False
     sink_tokens: Optional[int] = None
+    recent_ratio: float = 0.5
 
     @property
     def label(self) -> str:
@@ -56,14 +57,15 @@ class TaskConfig:
             return "full cache"
         rule = f" [{self.rule}]" if self.policy == "h2o" else ""
         sinks = f" +{self.sink_tokens} sinks" if self.sink_tokens and self.policy == "h2o" else ""
-        return f"{self.policy}{rule}{sinks}"
+        recent = f" recent {self.recent_ratio:g}" if self.recent_ratio != 0.5 else ""
+        return f"{self.policy}{rule}{sinks}{recent}"
 
     def optimize_kwargs(self) -> dict:
         if self.policy == "full":
             return dict(budget=1.0, policy="full")
         rule = parse_rule_option(self.rule) if self.policy == "h2o" else {}
         return dict(budget=self.budget, policy=self.policy, compress_sliding=self.compress_sliding,
-                    sink_tokens=self.sink_tokens, **rule)
+                    sink_tokens=self.sink_tokens, recent_ratio=self.recent_ratio, **rule)
 
 
 @dataclass
