@@ -29,7 +29,8 @@ def cmd_eval(args) -> int:
                             num_seqs=args.num_seqs, batch_size=args.batch_size, prompt_len=args.prompt_len,
                             gen_prompt_len=args.gen_prompt_len, gen_new_tokens=args.gen_new_tokens,
                             gen_prompts=args.gen_prompts, compile=args.compile != "off",
-                            compress_sliding=args.compress_sliding, h2o_sinks=args.h2o_sinks)
+                            compress_sliding=args.compress_sliding, h2o_sinks=args.h2o_sinks,
+                            h2o_rules=args.h2o_rules)
     if args.heldout is not None:
         from ..zoo.data import read_corpus
 
@@ -172,6 +173,8 @@ def add_quality_parsers(sub) -> None:
     ev.add_argument("--compress-sliding", action="store_true",
                     help="compress sliding-window layers to the budget too (default: they keep their window)")
     ev.add_argument("--h2o-sinks", type=int, default=0, help="also evaluate h2o with this many sink tokens")
+    ev.add_argument("--h2o-rules", type=csv_of(str), default=[],
+                    help="also evaluate h2o under these score rules: mean, tova, snapkv, decay=G, ... joined by '+'")
     ev.add_argument("--out", default="docs/results/eval", help="folder for eval.json / .md / .png")
     ev.set_defaults(func=cmd_eval)
 

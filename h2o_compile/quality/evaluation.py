@@ -32,14 +32,19 @@ class EvalSettings:
     compile: object = True
     compress_sliding: bool = False  # sliding-window layers under the budget too (H2OConfig.compress_sliding)
     h2o_sinks: int = 0              # > 0: also h2o with that many sink tokens, reported as "h2o+<n>sinks"
+    h2o_rules: Sequence[str] = ()   # also h2o under these score rules (task_eval.parse_rule_option), "h2o[<rule>]"
 
     def __post_init__(self) -> None:
         if not self.budgets or any(not (0 < b <= 1) for b in self.budgets):
             raise ValueError(f"budgets={list(self.budgets)} must be fractions in (0, 1]")
         if not 1 <= self.prompt_len < self.seq_len:
             raise ValueError(f"prompt_len={self.prompt_len} must be in [1, seq_len={self.seq_len})")
-        if not self.policies and not self.h2o_sinks:
-            raise ValueError("no configuration to run: give at least one policy, or h2o_sinks > 0")
+        if not self.policies and not self.h2o_sinks and not self.h2o_rules:
+            raise ValueError("no configuration to run: give at least one policy, h2o_sinks > 0 or an h2o rule")
+        from .task_eval import parse_rule_option
+
+        for rule in self.h2o_rules:
+            parse_rule_option(rule)  # a ValueError names a bad rule before the sweep starts
         if self.num_seqs < 0:
             raise ValueError(f"num_seqs={self.num_seqs} must be >= 0 (0: generation agreement only)")
         for name in ("batch_size", "gen_new_tokens", "gen_prompts", "gen_prompt_len"):
@@ -120,13 +125,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _configs(settings: EvalSettings):
-    """(label, policy, sink_tokens, budget) for every configuration the sweep runs."""
-    variants = [(policy, policy, None if policy in ("sink", "full") else 0) for policy in settings.policies]
+    """(label, policy, sink_tokens, budget, score-rule kwargs) for every configuration the sweep runs."""
+    from .task_eval import parse_rule_option
+
+    variants = [(policy, policy, None if policy in ("sink", "full") else 0, {}) for policy in settings.policies]
     if settings.h2o_sinks:
-        variants.append((f"h2o+{settings.h2o_sinks}sinks", "h2o", settings.h2o_sinks))
-    for label, policy, sinks in variants:
+        variants.append((f"h2o+{settings.h2o_sinks}sinks", "h2o", settings.h2o_sinks, {}))
+    variants += [(f"h2o[{rule}]", "h2o", 0, parse_rule_option(rule)) for rule in settings.h2o_rules]
+    for label, policy, sinks, rule in variants:
         for budget in ([1.0] if policy == "full" else settings.budgets):
-            yield label, policy, sinks, budget
+            yield label, policy, sinks, budget, rule
 
 
 def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSettings] = None,
@@ -149,10 +157,10 @@ def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSett
         reference_tokens = _generations(optimize(model, budget=1.0, policy="full", compile=settings.compile),
                                         prompts, settings)
     bar = tqdm(configs, desc="eval", disable=not progress)
-    for label, policy, sink, budget in bar:
+    for label, policy, sink, budget, rule in bar:
         bar.set_postfix_str(f"{label} @ {budget}")
         h2o = optimize(model, budget=budget, policy=policy, sink_tokens=sink, compile=settings.compile,
-                       compress_sliding=settings.compress_sliding)
+                       compress_sliding=settings.compress_sliding, **rule)
         if seqs is not None:
             nll, count = 0.0, 0
             for start in range(0, len(seqs), settings.batch_size):

@@ -95,6 +95,22 @@ def test_eval_cli_writes_json_table_and_plot(model_dir, tmp_path):
     assert (out / "eval_perplexity.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_score_rules_join_the_sweep_under_their_own_label():
+    """h2o under a rule is its own row; at budget 1.0 it keeps everything (the full cache's perplexity), at a
+    small budget the decayed rule keeps other keys than the paper's sum."""
+    from tests.conftest import word_tokenizer
+
+    settings = EvalSettings(budgets=(0.25, 1.0), policies=("full", "h2o"), h2o_rules=("tova",), seq_len=24,
+                            num_seqs=2, batch_size=2, prompt_len=4, gen_prompt_len=12, gen_new_tokens=6,
+                            gen_prompts=2, compile=False)
+    result = evaluate(build("llama", seed=4), word_tokenizer(), [TEXT], settings, progress=False)
+    full = result.perplexity["full"][1.0]
+    assert result.perplexity["h2o[tova]"][1.0] == pytest.approx(full, rel=1e-5)
+    assert result.perplexity["h2o[tova]"][0.25] != pytest.approx(result.perplexity["h2o"][0.25], rel=1e-4)
+    with pytest.raises(ValueError, match="cannot read 'decay'"):
+        EvalSettings(h2o_rules=("decay",))
+
+
 def test_read_tail_and_bad_values(tmp_path):
     path = tmp_path / "t.txt"
     path.write_text("a" * 90 + "b" * 10)
