@@ -56,37 +56,85 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     kpos_all = key_pos.reshape(b * hkv, 1, 1, s_all)
     qpos_all = query_pos[:, None, :].expand(b, hkv, t).reshape(b * hkv, 1, t, 1)
     valid_all = query_valid[:, None, :].expand(b, hkv, t).reshape(b * hkv, 1, t, 1)
-    sink = None if sink_logits is None else sink_logits.float().view(1, hkv, group, 1).expand(b, -1, -1, -1)
-    sink = None if sink is None else sink.reshape(b * hkv, group, 1)
-    weight = None if query_weight is None else query_weight.float()[:, None, :].expand(b, hkv, t).reshape(
-        b * hkv, 1, t)
-    mass = torch.zeros(b * hkv, s_all, dtype=torch.float32)
-    out = torch.empty(b * hkv, group, t, dv, dtype=dtype)
     chunk = max(1, _LOGITS_PER_CHUNK // (b * hq * s_all))
-    for t0 in range(0, t, chunk):
-        t1 = min(t, t0 + chunk)
+
+    def visible_keys(t0: int, t1: int) -> tuple[Tensor, int]:
         s = s_all if new_from is None else min(s_all, new_from + t1)
         kpos, qpos = kpos_all[..., :s], qpos_all[:, :, t0:t1]
         visible = (kpos >= 0) & (kpos <= qpos) & valid_all[:, :, t0:t1]             # [B*Hkv, 1, tc, s]
         if window > 0:
             visible = visible & (kpos > qpos - window)
-        bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
-        q_chunk = qf[:, :, t0:t1]
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_chunk, kf[:, :, :s], vf[:, :, :s], 0.0, False, attn_mask=bias, scale=scale)
-        seen = visible.any(dim=-1)                                                  # [B*Hkv, 1, tc]
-        lse = lse.float()                                                           # [B*Hkv, G, tc]
-        if sink is not None:
-            with_sink = torch.logaddexp(lse, sink)
-            o = o * torch.exp(lse - with_sink).to(dtype)[..., None]
-            lse = with_sink
-        # A query that sees nothing (padding) has no defined output: zero, as the reference.
-        out[:, :, t0:t1] = torch.where(seen[..., None], o, torch.zeros((), dtype=dtype))
-        if need_mass:
-            logits = torch.matmul(q_chunk.float(), kf[:, :, :s].float().transpose(2, 3)).mul_(scale)
-            probs = torch.exp(logits - torch.where(seen, lse, 0.0)[..., None]).masked_fill_(~visible, 0.0)
-            per_query = probs.sum(dim=1)                                            # [B*Hkv, tc, s]
-            if weight is not None:
-                per_query = per_query * weight[:, 0, t0:t1, None]
-            mass[:, :s] += per_query.sum(dim=1)
+        return visible, s
+
+    # A block without padding or window (a prompt, a chunk of one): the causal kernel over its own keys plus one
+    # masked call over the cache, merged by their LSEs. The causal kernel skips the future half, which a mask
+    # cannot tell it to. (A host check, fine in an eager prefill.)
+    causal = new_from is not None and window == 0 and bool(query_valid.all())
+    if causal:
+        out, lse = _causal_and_cache(qf, kf, vf, kpos_all[..., :new_from], new_from, scale)
+    else:
+        out = torch.empty(b * hkv, group, t, dv, dtype=dtype)
+        lse = torch.empty(b * hkv, group, t, dtype=torch.float32)
+        for t0 in range(0, t, chunk):
+            t1 = min(t, t0 + chunk)
+            visible, s = visible_keys(t0, t1)
+            bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+            o, l_c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qf[:, :, t0:t1], kf[:, :, :s], vf[:, :, :s], 0.0, False, attn_mask=bias, scale=scale)
+            seen = visible.any(dim=-1)                                              # [B*Hkv, 1, tc]
+            # A query that sees nothing (padding) has no defined output: zero, as the reference.
+            out[:, :, t0:t1] = torch.where(seen[..., None], o, torch.zeros((), dtype=dtype))
+            lse[:, :, t0:t1] = torch.where(seen, l_c.float(), float("-inf"))
+    if sink_logits is not None:
+        sink = sink_logits.float().view(1, hkv, group, 1).expand(b, -1, -1, -1).reshape(b * hkv, group, 1)
+        with_sink = torch.logaddexp(lse, sink)
+        out = out * torch.exp(lse - with_sink).nan_to_num(0.0).to(dtype)[..., None]
+        lse = with_sink
+    mass = torch.zeros(b * hkv, s_all, dtype=torch.float32)
+    if need_mass:
+        weight = None if query_weight is None else query_weight.float()[:, None, :].expand(b, hkv, t).reshape(
+            b * hkv, t)
+        held = (kpos_all[..., :new_from] >= 0).float() if causal else None          # [B*Hkv, 1, 1, C]
+        for t0 in range(0, t, chunk):
+            t1 = min(t, t0 + chunk)
+            s = s_all if new_from is None else min(s_all, new_from + t1)
+            # One [G*tc, D] x [D, s] product per KV head (a broadcast over G would copy the keys G times).
+            rows = qf[:, :, t0:t1].reshape(b * hkv, group * (t1 - t0), d).float()
+            logits = torch.bmm(rows, kf[:, 0, :s].float().transpose(1, 2)).view(b * hkv, group, t1 - t0, s)
+            probs = logits.mul_(scale).sub_(lse[:, :, t0:t1, None].clamp(min=-3e38)).exp_()
+            if causal:
+                # Without padding or window only two things are hidden: empty cache slots, and the chunk's own
+                # future (a triangle of its last tc block keys); no [tc, s] mask needs building.
+                probs[..., :new_from].mul_(held)
+                future = torch.ones(t1 - t0, t1 - t0, dtype=torch.bool).triu_(1)
+                probs[..., new_from + t0:new_from + t1].masked_fill_(future, 0.0)
+            else:
+                probs.masked_fill_(~visible_keys(t0, t1)[0], 0.0)
+            if weight is None:
+                mass[:, :s] += probs.sum(dim=(1, 2))
+            else:
+                mass[:, :s] += (probs.sum(dim=1) * weight[:, t0:t1, None]).sum(dim=1)
     return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
+
+
+def _causal_and_cache(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tensor, cap: int, scale: float
+                      ) -> tuple[Tensor, Tensor]:
+    """Every query valid, no window: the block's causal attention over its own keys and a masked one over the C
+    cached keys (all older than the block; empty slots hidden), merged by LSE.
+
+    qf: [N, G, T, D]; kf / vf: [N, 1, C+T, D]; cache_pos: [N, 1, 1, C]. Returns out [N, G, T, Dv] and the
+    natural-log LSE [N, G, T] fp32."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = flash(qf, kf[:, :, cap:], vf[:, :, cap:], 0.0, True, scale=scale)
+    lse = lse.float()
+    held = cache_pos >= 0                                                            # [N, 1, 1, C]
+    if cap == 0 or not bool(held.any()):  # a first prompt: nothing cached yet
+        return out, lse
+    bias = torch.zeros(held.shape, dtype=qf.dtype).masked_fill_(~held, float("-inf"))
+    bias = bias.expand(-1, -1, qf.shape[2], -1)
+    out_c, lse_c = flash(qf, kf[:, :, :cap], vf[:, :, :cap], 0.0, False, attn_mask=bias, scale=scale)
+    lse_c = torch.where(held.any(dim=-1), lse_c.float(), float("-inf"))            # rows with an empty cache
+    total = torch.logaddexp(lse, lse_c)
+    out = (out.float() * torch.exp(lse - total)[..., None]
+           + torch.nan_to_num(out_c.float()) * torch.exp(lse_c - total)[..., None]).to(qf.dtype)
+    return out, total

@@ -15,14 +15,14 @@ from ..helpers import sink_logits_for
 SHAPES = [(2, 4, 4, 7, 5, 16), (3, 8, 2, 33, 17, 32), (2, 8, 1, 20, 0, 64), (1, 4, 2, 1200, 900, 16)]
 
 
-def _inputs(shape, dtype, seed=0):
+def _inputs(shape, dtype, seed=0, pad=True):
     b, hq, hkv, t, cap, d = shape
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, t, d, generator=gen).to(dtype)
     keys = torch.randn(b, hkv, cap + t, d, generator=gen).to(dtype)
     values = torch.randn(b, hkv, cap + t, d, generator=gen).to(dtype)
     valid = torch.ones(b, t, dtype=torch.bool)
-    if b > 1:
+    if b > 1 and pad:
         valid[1, : t // 3] = False  # left padding
     positions = (cap + valid.long().cumsum(1) - 1).clamp(min=0)
     # The cache: per head a different set of older positions, some slots empty (-1).
@@ -35,11 +35,13 @@ def _inputs(shape, dtype, seed=0):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_hq{}_hkv{}_t{}_c{}_d{}".format(*s))
-@pytest.mark.parametrize("kind", ["plain", "window", "sinks", "weights"])
+@pytest.mark.parametrize("kind", ["plain", "no padding", "window", "sinks", "weights", "sinks no padding"])
 def test_fused_prefill_equals_the_spec(shape, kind):
-    q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32)
+    """Padding or a window take the masked kernel in query chunks; a block without either the causal kernel
+    plus one masked call over the cache (an empty cache when C = 0)."""
+    q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, pad="no padding" not in kind)
     kw = dict(window=6 if kind == "window" else 0,
-              sink_logits=sink_logits_for(shape[1], "cpu") if kind == "sinks" else None)
+              sink_logits=sink_logits_for(shape[1], "cpu") if "sinks" in kind else None)
     weight = None
     if kind == "weights":
         weight = torch.rand(positions.shape, generator=torch.Generator().manual_seed(1))
