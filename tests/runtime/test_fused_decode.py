@@ -35,10 +35,12 @@ def test_fused_graph_retargets_every_layer_and_shares_the_weights(llama):
 def test_the_runtime_graph_takes_the_recent_windows_as_inputs(llama):
     opt = h2o_compile.optimize(llama, budget=5, compile=False)
     inputs = [n.name for n in opt.graph.graph.nodes if n.op == "placeholder"]
-    assert inputs == ["input_ids", "position_ids", "valid", *state_names(0), *state_names(1), "recent0", "recent1"]
-    ops_recent = [n.args[10].name for n in opt.graph.graph.nodes
-                  if n.op == "call_function" and n.target is torch.ops.h2o.attention_.default]
-    assert ops_recent == ["recent0", "recent1"]
+    assert inputs == ["input_ids", "position_ids", "valid", *state_names(0), *state_names(1), "recent0", "recent1",
+                      "query_from"]
+    ops = [n for n in opt.graph.graph.nodes if n.op == "call_function" and n.target is torch.ops.h2o.attention_.default]
+    assert [n.args[10].name for n in ops] == ["recent0", "recent1"]
+    # the prompt's scoring input (kernels/rules.py) reaches every op
+    assert [n.kwargs["query_from"].name for n in ops] == ["query_from", "query_from"]
 
 
 @pytest.mark.parametrize("batch,policy,sinks",
