@@ -27,11 +27,12 @@ def _configs(run: TaskRun) -> list[tuple[str, object]]:
     return seen
 
 
-def _cell(run: TaskRun, task, length, label, budget, **extra) -> Optional[float]:
-    match = dict(task=task, length=length, label=label, **extra)
+def _cell(run: TaskRun, task, length, label, budget, depth_band=None) -> Optional[float]:
+    """Accuracy of one configuration (``budget`` None: the full cache, any budget) on one task and length."""
+    match = dict(task=task, length=length, label=label)
     if budget is not None:
         match["budget"] = budget
-    return run.accuracy(**match)
+    return run.accuracy(depth_band=depth_band, **match)
 
 
 def _pct(x: Optional[float]) -> str:
@@ -68,9 +69,8 @@ def write_task_report(run: TaskRun, out_dir, *, model_name: str, settings: dict)
                 rows = []
                 for label, budget in configs:
                     name = label if budget is None else f"{label} @ {budget}"
-                    rows.append([name] + [_pct(run.accuracy(task=task, length=length, label=label,
-                                                            **({} if budget is None else {"budget": budget}),
-                                                            depth_band=band)) for band in DEPTH_BANDS])
+                    rows.append([name] + [_pct(_cell(run, task, length, label, budget, band))
+                                          for band in DEPTH_BANDS])
                 lines += [markdown_table(["configuration"] + [_band_name(b) for b in DEPTH_BANDS], rows), ""]
     paths["markdown"].write_text("\n".join(lines) + "\n")
     for task in tasks:
@@ -104,9 +104,7 @@ def _heatmap(run: TaskRun, path: Path, configs, lengths, model_name: str) -> Pat
     rows = -(-len(configs) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
     for ax, (label, budget) in zip(axes.flat, configs):
-        grid = [[run.accuracy(task="passkey", length=n, label=label,
-                              **({} if budget is None else {"budget": budget}), depth_band=band) for n in lengths]
-                for band in DEPTH_BANDS]
+        grid = [[_cell(run, "passkey", n, label, budget, band) for n in lengths] for band in DEPTH_BANDS]
         values = [[float("nan") if v is None else v for v in row] for row in grid]
         ax.imshow(values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
