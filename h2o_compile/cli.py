@@ -51,6 +51,8 @@ def add_h2o_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=parse_prefill, default="full", help="'full' or a chunk size")
     p.add_argument("--compress-sliding", action="store_true",
                    help="sliding-window layers under the budget too (default: they keep their window)")
+    p.add_argument("--kv-dtype", choices=("model", "int8"), default="model",
+                   help="kept keys and values in the model's dtype, or int8 with one scale per vector")
 
 
 def cmd_generate(args) -> int:
@@ -70,7 +72,8 @@ def cmd_generate(args) -> int:
         model, tokenizer = load_local(args.model, args.dtype)
         runner = h2o_compile.optimize(model, args.budget, recent_ratio=args.recent_ratio,
                                       sink_tokens=args.sink_tokens, policy=args.policy, prefill=args.prefill,
-                                      compress_sliding=args.compress_sliding, compile=args.compile)
+                                      compress_sliding=args.compress_sliding, kv_dtype=args.kv_dtype,
+                                      compile=args.compile)
         kv_note = None
     encoded = tokenizer(args.prompt, return_tensors="pt")
     ids = encoded["input_ids"]
@@ -179,6 +182,7 @@ def cmd_export(args) -> int:
     out = export_onnx(model, args.output, budget=args.budget, max_seq_len=args.max_seq_len,
                       batch_size=args.batch_size, policy=args.policy, recent_ratio=args.recent_ratio,
                       sink_tokens=args.sink_tokens, prefill=args.prefill, compress_sliding=args.compress_sliding,
+                      kv_dtype=args.kv_dtype,
                       opset=args.opset, tokenizer=tokenizer)
     print(f"wrote {out} (model.onnx, h2o_config.json, config + tokenizer)")
     return 0

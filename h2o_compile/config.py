@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from .kernels.quantized import check_kv_dtype
 from .kernels.rules import SCORES, EvictionRule
 
 POSITIONS = ("true", "rolling")
@@ -48,6 +49,9 @@ class H2OConfig:
             observation window); later queries add as usual. The prompt is the first block after ``reset``.
         prompt_pool: odd k >= 1: once the prompt is in, its keys' scores are averaged over k neighbouring
             prompt positions (SnapKV's pooling); needs ``prefill="full"``.
+        kv_dtype: ``"model"`` keeps kept keys and values in the model's dtype; ``"int8"`` stores each kept
+            key and value vector as int8 with one fp32 scale (symmetric absmax, kernels/quantized.py), about a
+            quarter of the fp32 state. Scores, positions and eviction are unchanged.
     """
 
     budget: Union[float, int] = 0.2
@@ -62,6 +66,7 @@ class H2OConfig:
     score_decay: float = 1.0
     prompt_window: Optional[int] = None
     prompt_pool: int = 1
+    kv_dtype: str = "model"
 
     def __post_init__(self) -> None:
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
@@ -105,6 +110,7 @@ class H2OConfig:
         if self.policy != "h2o" and self.prompt_window is not None:
             raise ValueError(f"prompt_window is an option of policy='h2o'; policy={self.policy!r} reads no scores")
         _ = self.rule  # validates score, score_decay and prompt_pool together
+        check_kv_dtype(self.kv_dtype)
         if self.prompt_pool > 1 and self.prefill != "full":
             raise ValueError(f"prompt_pool={self.prompt_pool} pools the whole prompt's scores, which needs "
                              f"prefill='full'; got prefill={self.prefill!r}")
@@ -115,6 +121,10 @@ class H2OConfig:
     def rule(self) -> EvictionRule:
         """The eviction rule the ops compute (kernels/rules.py); its ``spec`` is what the graph carries."""
         return EvictionRule(self.policy, self.score, self.score_decay, self.prompt_pool)
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype == "int8"
 
     @property
     def scores_prompt_specially(self) -> bool:

@@ -49,7 +49,8 @@ def _triton_available() -> bool:
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                  key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
                  recent: int, sinks: int, policy: str, window: int = 0, softcap: float = 0.0,
-                 sink_logits: Optional[Tensor] = None, query_from: Optional[Tensor] = None) -> None:
+                 sink_logits: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
+                 key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None) -> None:
     """Shape / dtype checks with messages that say what was expected (raised as ValueError)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [B, H, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -76,6 +77,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opti
     for name, (tensor, shape) in expected.items():
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {shape} (C = cache slots)")
+    _check_quantized(key_cache, value_cache, key_scale, value_scale, (b, hkv, cap))
     if score_cache.dtype != torch.float32 or pos_cache.dtype != torch.int64:
         raise ValueError(f"score_cache must be float32 and pos_cache int64; got {score_cache.dtype}, "
                          f"{pos_cache.dtype}")
@@ -91,22 +93,42 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opti
         raise ValueError(f"sink_logits must be [Hq={hq}] (one logit per query head); got {tuple(sink_logits.shape)}")
 
 
-@torch.library.custom_op("h2o::attention_", mutates_args=("key_cache", "value_cache", "score_cache", "pos_cache"))
+def _check_quantized(key_cache: Tensor, value_cache: Tensor, key_scale: Optional[Tensor],
+                     value_scale: Optional[Tensor], shape: tuple) -> None:
+    """int8 caches come with both fp32 scales [B, Hkv, C] (kernels/quantized.py); float caches with none."""
+    int8 = (key_cache.dtype == torch.int8, value_cache.dtype == torch.int8)
+    given = (key_scale is not None, value_scale is not None)
+    if int8[0] != int8[1] or given[0] != given[1] or int8[0] != given[0]:
+        raise ValueError(f"quantized entries need int8 key_cache and value_cache plus key_scale and value_scale; "
+                         f"got key_cache {key_cache.dtype}, value_cache {value_cache.dtype}, key_scale "
+                         f"{'given' if given[0] else 'None'}, value_scale {'given' if given[1] else 'None'}")
+    for name, scale in (("key_scale", key_scale), ("value_scale", value_scale)):
+        if scale is not None and (tuple(scale.shape) != shape or scale.dtype != torch.float32):
+            raise ValueError(f"{name} must be float32 {shape} (one scale per slot); got {scale.dtype} "
+                             f"{tuple(scale.shape)}")
+
+
+_STATE_ARGS = ("key_cache", "value_cache", "score_cache", "pos_cache", "key_scale", "value_scale")
+
+
+@torch.library.custom_op("h2o::attention_", mutates_args=_STATE_ARGS)
 def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
                scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
                softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
-               rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None) -> Tensor:
+               rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
+               key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None) -> Tensor:
     """In-place H2O attention over a block of T new tokens. Returns out [B, Hq, T, Dv].
 
     ``window`` (sliding window, 0 = none), ``softcap`` (0 = none) and ``sink_logits`` ([Hq] or None) are the
     layer's attention kind (kernels/reference.py). ``rope_cos``/``rope_sin`` ([B', S, R] rotary tables, or
     None) switch on rolling positions: q, k and the cache are unrotated and rotated by rank at attention time
     (kernels/rolling.py). ``policy`` is the eviction rule (kernels/rules.py: a policy name or an
-    ``EvictionRule.spec``); ``query_from`` ([B] int64 or None) is given with the prompt block only."""
+    ``EvictionRule.spec``); ``query_from`` ([B] int64 or None) is given with the prompt block only.
+    ``key_scale``/``value_scale`` ([B, Hkv, C] fp32) come with int8 caches (kernels/quantized.py)."""
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
-                 window, softcap, sink_logits, query_from)
-    state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
+                 window, softcap, sink_logits, query_from, key_scale, value_scale)
+    state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
     kind = dict(window=window, softcap=softcap, sink_logits=sink_logits, rope=as_tables(rope_cos, rope_sin),
                 query_from=query_from)
     if backend_for(q.device) == "triton":
@@ -120,7 +142,8 @@ def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Option
 
 @attention_.register_fake
 def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
-      policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None, query_from=None):
+      policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None, query_from=None,
+      key_scale=None, value_scale=None):
     return q.new_empty(q.shape[:3] + (v.shape[3],))
 
 
@@ -129,43 +152,51 @@ def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optiona
               key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
               scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
               softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
-              rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Functional H2O attention: returns (out, key_cache, value_cache, score_cache, pos_cache), all new."""
+              rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
+              key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Functional H2O attention: returns (out, key_cache, value_cache, score_cache, pos_cache, key_scale,
+    value_scale), all new; the two scales are empty [0] tensors when the caches are not quantized (an op has
+    one output arity)."""
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
-                 window, softcap, sink_logits, query_from)
-    state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
+                 window, softcap, sink_logits, query_from, key_scale, value_scale)
+    state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
     out, new = reference.h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
                                        sinks=sinks, policy=policy, seed=seed, window=window, softcap=softcap,
                                        sink_logits=sink_logits, rope=as_tables(rope_cos, rope_sin),
                                        query_from=query_from)
-    return (out,) + tuple(x.clone() if x is y else x for x, y in zip(new, state))
+    fresh = tuple(x.clone() if x is y else x for x, y in zip(new.tensors(), state.tensors()))
+    no_scales = () if state.quantized else (score_cache.new_empty(0), score_cache.new_empty(0))
+    return (out,) + fresh + no_scales
 
 
 @attention.register_fake
 def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
       policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None,
-      rope_sin=None, query_from=None):
+      rope_sin=None, query_from=None, key_scale=None, value_scale=None):
     out = q.new_empty(q.shape[:3] + (v.shape[3],))
+    scales = [score_cache.new_empty(0) if s is None else torch.empty_like(s) for s in (key_scale, value_scale)]
     return (out, torch.empty_like(key_cache), torch.empty_like(value_cache), torch.empty_like(score_cache),
-            torch.empty_like(pos_cache))
+            torch.empty_like(pos_cache), *scales)
 
 
 @torch.library.custom_op("h2o::attend_decode", mutates_args=())
 def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, key_cache: Tensor, value_cache: Tensor,
                   pos_cache: Tensor, scale: float, new_pos: Tensor, window: int = 0, softcap: float = 0.0,
-                  sink_logits: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                  sink_logits: Optional[Tensor] = None, key_scale: Optional[Tensor] = None,
+                  value_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """The attention half of the decode step (reference.attend_decode): (out [B, Hq, 1, Dv], mass over the
     cache [B, Hkv, C], mass on the new key [B, Hkv, 1]). Opaque to the compiler, which keeps its two
     batched matrix-vector products on the BLAS kernels."""
-    state = reference.H2OState(key_cache, value_cache, None, pos_cache)
+    state = reference.make_state(key_cache, value_cache, None, pos_cache, key_scale, value_scale)
     out, mass_cache, mass_new = reference.attend_decode(q, k, v, valid, state, scale, new_pos, window=window,
                                                         softcap=softcap, sink_logits=sink_logits)
     return out, mass_cache.contiguous(), mass_new.clone()  # views of one tensor: outputs may not alias
 
 
 @attend_decode.register_fake
-def _(q, k, v, valid, key_cache, value_cache, pos_cache, scale, new_pos, window=0, softcap=0.0, sink_logits=None):
+def _(q, k, v, valid, key_cache, value_cache, pos_cache, scale, new_pos, window=0, softcap=0.0, sink_logits=None,
+      key_scale=None, value_scale=None):
     mass = pos_cache.new_empty(pos_cache.shape, dtype=torch.float32)
     return q.new_empty(q.shape[:3] + (value_cache.shape[3],)), mass, mass.new_empty(pos_cache.shape[:2] + (1,))
 
@@ -174,21 +205,23 @@ def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: O
                     key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
                     scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
                     softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
-                    rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None) -> Tensor:
+                    rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
+                    key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None) -> Tensor:
     """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: the opaque attention op, then
     reference.evict_and_write_ as plain torch ops that torch.compile fuses into the step's generated code
     (on CPU one loop nest per layer instead of ~25 small eager kernels). Same signature and result as the op;
     the compiled CPU decode graph calls this (passes.fuse_decode_bookkeeping)."""
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
-                 window, softcap, sink_logits, query_from)
+                 window, softcap, sink_logits, query_from, key_scale, value_scale)
     if q.shape[2] != 1:
         raise ValueError(f"decode_fusable_ takes one token per row (T = 1); got T = {q.shape[2]}")
     valid, new_pos, newest = reference._block_inputs(k, positions, valid)
-    state = reference.H2OState(key_cache, value_cache, score_cache, pos_cache)
+    state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
     # Rolling positions: the rotation (a gather and a few elementwise ops) is plain torch ops too.
     q_seen, k_seen, seen = reference.rolled_inputs(q, k, valid, state, as_tables(rope_cos, rope_sin))
     out, mass_cache, mass_new = torch.ops.h2o.attend_decode(q_seen, k_seen, v, valid, seen.key_cache, value_cache,
-                                                            pos_cache, scale, new_pos, window, softcap, sink_logits)
+                                                            pos_cache, scale, new_pos, window, softcap, sink_logits,
+                                                            seen.key_scale, value_scale)
     reference.evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent,
                                sinks=sinks, policy=policy, seed=seed, window=window, positions=positions,
                                query_from=query_from)

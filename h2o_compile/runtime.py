@@ -13,12 +13,11 @@ from . import generation
 from .capture import capture
 from .compiling import check_compile, compile_step
 from .config import H2OConfig
-from .kernels.reference import empty_state
+from .cache_plan import CachePlan
 from .ops import backend_for
 from .passes import (LayerSpec, find_attention_sites, find_rotary, fuse_decode_bookkeeping, last_position_logits,
                      move_rotary_into_ops, rewrite_attention, runtime_recent_graph, set_h2o_params, state_names)
-from .support import (ModelLimits, UnsupportedModelError, check_rolling_fits, check_sequence_fits, check_supported,
-                      text_config)
+from .support import ModelLimits, UnsupportedModelError, check_rolling_fits, check_supported, text_config
 
 
 def _positive_ints(name: str, values) -> list[int]:
@@ -49,6 +48,7 @@ class H2OModel(nn.Module):
         self.capacity: Optional[int] = None           # C of the full-attention layers (the budget)
         self.layer_capacities: list[int] = []         # slots per layer (sliding-window layers may differ)
         self.max_seq_len: Optional[int] = None
+        self.plan: Optional[CachePlan] = None         # the state of the last reset()
         self._fed = 0
         self._warned_positions = False
         # Sinks per layer, policy and seed are the same for every request: constants of the graph, set once.
@@ -88,52 +88,44 @@ class H2OModel(nn.Module):
         if (max_seq_len is None) == (capacity is None):
             raise ValueError(f"give reset() either max_seq_len (a bounded sequence) or capacity (a stream), "
                              f"not {'both' if capacity is not None else 'neither'}")
-        cfg = self.h2o_config
-        if max_seq_len is None:
-            plan = [cfg.layer_params(None, spec.window, capacity) for spec in self.layers]
-            cap = capacity
-        else:
-            if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-                raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 1")
-            if cfg.positions == "true":  # rolling positions stay below C + block whatever the length
-                check_sequence_fits(self.limits, max_seq_len)
-            cap = cfg.capacity(max_seq_len)
-            plan = [cfg.layer_params(max_seq_len, spec.window) for spec in self.layers]  # (slots, recent, sinks)
-        self._recent = [p[1] for p in plan]
+        plan = CachePlan.build(self.h2o_config, self.layers, self.limits, max_seq_len=max_seq_len, capacity=capacity)
+        self._recent = plan.recent
         device = self.device
-        for i, (spec, (slots, _, _)) in enumerate(zip(self.layers, plan)):  # plan: (slots, recent, sinks)
-            state = empty_state(batch_size, spec.kv_heads, slots, spec.head_dim, value_dim=spec.value_dim,
-                                dtype=spec.dtype, device=device)
-            for name, tensor in zip(state_names(i), state):
+        for i, (layer, state) in enumerate(zip(plan.layers, plan.empty_state(batch_size, device))):
+            for name, tensor in zip(state_names(i, layer.spec.quantized), state):
                 self.register_buffer(name, tensor, persistent=False)
                 if device.type == "cuda":
                     torch._dynamo.mark_static_address(tensor)  # CUDA graphs replay on fixed addresses
         self.seen = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.capacity, self.max_seq_len, self._fed = cap, max_seq_len, 0
+        self.plan, self.capacity, self.max_seq_len, self._fed = plan, plan.capacity, max_seq_len, 0
         self._warned_positions = False  # once per stream
-        self.layer_capacities = [slots for slots, _, _ in plan]
+        self.layer_capacities = plan.slots
 
     def state(self) -> list[Tensor]:
-        """The flat state, per layer: key [B, Hkv, C, D], value, score [B, Hkv, C] fp32, position int64."""
+        """The flat state, per layer: key [B, Hkv, C, D], value, score [B, Hkv, C] fp32, position int64 (and
+        with kv_dtype="int8" the key and value scales; cache_plan.py)."""
+        return [t for layer in self.layer_states() for t in layer]
+
+    def layer_states(self) -> list[list[Tensor]]:
+        """The state tensors of each layer (cache_plan.py's order), in layer order."""
         if self.capacity is None:
             raise RuntimeError("no cache yet: call reset(batch_size, max_seq_len) or generate() first")
-        return [getattr(self, name) for i in range(len(self.layers)) for name in state_names(i)]
+        return [[getattr(self, name) for name in state_names(i, spec.quantized)] for i, spec in enumerate(self.layers)]
 
     def kept_positions(self, layer: int) -> Tensor:
         """LongTensor [B, Hkv, C_layer]: the token position held by each slot of ``layer``, -1 = empty slot."""
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"layer={layer} out of range; the model has {len(self.layers)} layers")
         self.state()
-        return getattr(self, state_names(layer)[3]).clone()
+        return self.layer_states()[layer][3].clone()
 
     def kv_cache_bytes(self) -> int:
-        """Bytes held by the H2O state (keys, values, scores and positions) of all layers."""
-        return sum(t.numel() * t.element_size() for t in self.state())
+        """Bytes held by the H2O state (keys, values, scores, positions, and int8 scales) of all layers."""
+        return sum(self.layer_cache_bytes())
 
     def layer_cache_bytes(self) -> list[int]:
-        """Bytes of each layer's H2O state (keys, values, scores, positions), in layer order."""
-        state = self.state()
-        return [sum(t.numel() * t.element_size() for t in state[4 * i:4 * i + 4]) for i in range(len(self.layers))]
+        """Bytes of each layer's H2O state (keys, values, scores, positions, and int8 scales), in layer order."""
+        return [sum(t.numel() * t.element_size() for t in layer) for layer in self.layer_states()]
 
     def full_cache_bytes(self, batch_size: int, seq_len: int) -> int:
         """Bytes a KV cache holding every token of every layer (keys and values) needs for the same model."""
@@ -320,8 +312,9 @@ class H2OModel(nn.Module):
         return self.step(input_ids, attention_mask)
 
 
-def build_graph(model: nn.Module, *, functional: bool = False, positions: str = "true"):
+def build_graph(model: nn.Module, *, functional: bool = False, positions: str = "true", quantized: bool = False):
     """Capture ``model`` and rewrite its attention; returns (graph, layer specs, limits).
+    ``quantized``: int8 kept entries (H2OConfig.kv_dtype), two scale tensors more per layer in the state.
 
     ``positions="rolling"`` also moves every layer's rotary embedding into its h2o op
     (passes.move_rotary_into_ops); a model without rotary embeddings raises UnsupportedModelError."""
@@ -337,7 +330,7 @@ def build_graph(model: nn.Module, *, functional: bool = False, positions: str = 
             "aten.scaled_dot_product_attention (with or without repeat_kv / enable_gqa) and eager "
             "matmul -> softmax -> matmul")
     check_layer_kinds(name, sites, limits)
-    layers = rewrite_attention(graph, sites, functional=functional, windows=limits.windows)
+    layers = rewrite_attention(graph, sites, functional=functional, windows=limits.windows, quantized=quantized)
     _, not_rotary = find_rotary(graph)
     limits = dataclasses.replace(limits, rotary=not not_rotary)
     if positions == "rolling":
@@ -365,7 +358,7 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
              sink_tokens: Optional[int] = None, policy: str = "h2o", prefill: Union[str, int] = "full",
              seed: int = 0, compress_sliding: bool = False, positions: str = "true", score: str = "sum",
              score_decay: float = 1.0, prompt_window: Optional[int] = None, prompt_pool: int = 1,
-             compile: Union[str, bool] = "auto") -> H2OModel:
+             kv_dtype: str = "model", compile: Union[str, bool] = "auto") -> H2OModel:
     """Turn a transformers causal LM into an :class:`H2OModel` whose KV cache keeps ``budget`` of the sequence.
 
     Args:
@@ -373,6 +366,8 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
         recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding, positions: see :class:`H2OConfig`.
         score, score_decay, prompt_window, prompt_pool: the score rule of policy ``h2o`` (:class:`H2OConfig`);
             the defaults are the paper's.
+        kv_dtype: ``"model"`` or ``"int8"`` (kept keys and values as int8 with one scale per vector, about a
+            quarter of the fp32 state; :class:`H2OConfig`).
         compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU) once
             for every batch size and capacity (dynamic shapes; :meth:`H2OModel.warmup` compiles it ahead).
             ``"auto"`` does so on CUDA only: on CPU the one cold compile (~23 s for the benchmarks' KV-bound
@@ -385,7 +380,8 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
     """
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
                        prefill=prefill, seed=seed, compress_sliding=compress_sliding, positions=positions,
-                       score=score, score_decay=score_decay, prompt_window=prompt_window, prompt_pool=prompt_pool)
+                       score=score, score_decay=score_decay, prompt_window=prompt_window, prompt_pool=prompt_pool,
+                       kv_dtype=kv_dtype)
     check_compile(compile)
-    graph, layers, limits = build_graph(model, positions=config.positions)
+    graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized)
     return H2OModel(model, graph, layers, config, limits, compile=compile)

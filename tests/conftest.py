@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tests.runtime.arch_configs import VOCAB, build
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: one torch thread each
+    torch.set_num_threads(1)
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:

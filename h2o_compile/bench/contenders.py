@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .machine import synchronize
+from ..kernels.quantized import quantize
 from ..passes import state_names
 
 
@@ -183,21 +184,23 @@ class H2OContender:
     """An H2OModel (``optimize(model, budget, policy=...)``) whose one-token decode step is compiled."""
 
     def __init__(self, model: nn.Module, policy: str, budget: float, compile: bool | str = True,
-                 name: str | None = None):
-        """``compile``: as ``optimize`` (True, False or a torch.compile mode); ``name`` overrides the name."""
+                 name: str | None = None, kv_dtype: str = "model"):
+        """``compile``: as ``optimize`` (True, False or a torch.compile mode); ``name`` overrides the name;
+        ``kv_dtype="int8"``: int8 kept entries (name suffix ``+int8``)."""
         from ..runtime import optimize
 
-        self.policy, self.budget = policy, budget
-        self.name = name or ("h2o-full" if policy == "full" else f"{policy}@{budget:g}")
-        self.label = f"H2OModel {policy}@{budget:g}" + (
+        self.policy, self.budget, self.quantized = policy, budget, kv_dtype == "int8"
+        suffix = "+int8" if self.quantized else ""
+        self.name = name or ("h2o-full" if policy == "full" else f"{policy}@{budget:g}") + suffix
+        self.label = f"H2OModel {policy}@{budget:g}{suffix}" + (
             f" (compiled, mode {compile})" if isinstance(compile, str) else " (compiled)" if compile else "")
-        self.h2o = optimize(model, budget=budget, policy=policy, compile=compile)
+        self.h2o = optimize(model, budget=budget, policy=policy, compile=compile, kv_dtype=kv_dtype)
         self.prefill_supported = True
         self.capacity = None
         self._snapshot: list[tuple[Tensor, Tensor]] = []
 
     def _layer_state(self, i: int) -> list[Tensor]:
-        return [getattr(self.h2o, name) for name in state_names(i)]
+        return [getattr(self.h2o, name) for name in state_names(i, self.quantized)]
 
     def prepare(self, batch: int, total: int, context: int, seed: int) -> None:
         h = self.h2o
@@ -206,13 +209,18 @@ class H2OContender:
         recent = h.h2o_config.recent_window(cap)
         self._snapshot = []
         for i, spec in enumerate(h.layers):
-            key, value, score, pos = self._layer_state(i)
+            key, value, score, pos, *scales = self._layer_state(i)
             keys, values = synthetic_kv(i, batch, spec.kv_heads, context, spec.head_dim, spec.value_dim,
                                         spec.dtype, seed, key.device)
             kept = synthetic_positions(self.policy, cap, recent, context, batch, spec.kv_heads, seed + i, key.device)
             n = kept.shape[-1]
-            key[:, :, :n] = keys.gather(2, kept[..., None].expand(-1, -1, -1, spec.head_dim))
-            value[:, :, :n] = values.gather(2, kept[..., None].expand(-1, -1, -1, spec.value_dim))
+            kept_keys = keys.gather(2, kept[..., None].expand(-1, -1, -1, spec.head_dim))
+            kept_values = values.gather(2, kept[..., None].expand(-1, -1, -1, spec.value_dim))
+            if scales:  # int8 entries: stored as the cache stores them
+                (kept_keys, scales[0][:, :, :n]), (kept_values, scales[1][:, :, :n]) = (quantize(kept_keys),
+                                                                                        quantize(kept_values))
+            key[:, :, :n] = kept_keys
+            value[:, :, :n] = kept_values
             pos[:, :, :n] = kept
             gen = torch.Generator(device=key.device).manual_seed(seed + 1000 + i)
             score[:, :, :n] = torch.rand(batch, spec.kv_heads, n, generator=gen, device=key.device) * 4.0
@@ -229,7 +237,7 @@ class H2OContender:
         """Scores and positions back to the filled state; keys/values of the slots written during the block
         stay (the step's cost does not depend on them)."""
         for i, (score0, pos0) in enumerate(self._snapshot):
-            _, _, score, pos = self._layer_state(i)
+            _, _, score, pos, *_ = self._layer_state(i)
             score.copy_(score0)
             pos.copy_(pos0)
         self.h2o.seen.fill_(self.context)
@@ -255,13 +263,14 @@ class H2OContender:
     def release(self) -> None:
         self._snapshot = []
         for i in range(len(self.h2o.layers)):
-            for name in state_names(i):
+            for name in state_names(i, self.quantized):
                 setattr(self.h2o, name, torch.empty(0))
 
 
 def build_contenders(model: nn.Module, budgets, local_budget: float, compile: bool = True,
-                     only: set | None = None) -> list:
-    """Every contender of the benchmark, in a fixed base order (the harness alternates it between repeats)."""
+                     only: set | None = None, int8: bool = False) -> list:
+    """Every contender of the benchmark, in a fixed base order (the harness alternates it between repeats);
+    ``int8`` adds H2O with int8 entries at each budget (``h2o@<b>+int8``)."""
     specs = [("hf-dynamic", lambda: HFContender(model, static=False)),
              ("hf-static-compile", lambda: HFContender(model, static=True, compile=compile)),
              (f"hf-static-compile@{local_budget:g}",
@@ -269,4 +278,7 @@ def build_contenders(model: nn.Module, budgets, local_budget: float, compile: bo
              ("h2o-full", lambda: H2OContender(model, "full", 1.0, compile)),
              (f"local@{local_budget:g}", lambda: H2OContender(model, "local", local_budget, compile))]
     specs += [(f"h2o@{b:g}", (lambda b=b: H2OContender(model, "h2o", b, compile))) for b in budgets]
+    if int8:
+        specs += [(f"h2o@{b:g}+int8", (lambda b=b: H2OContender(model, "h2o", b, compile, kv_dtype="int8")))
+                  for b in budgets]
     return [make() for name, make in specs if only is None or name in only]

@@ -258,7 +258,9 @@ def run_bench(settings: BenchSettings, log=print) -> dict:
             for t in sorted(set(settings.totals) - set(totals)):
                 result["skipped"].append(f"model {name}: total {t} > max_position_embeddings {max_pos}")
                 log(f"skipping {name} at total {t}: beyond its {max_pos} positions")
-            contenders = build_contenders(model, settings.budgets, settings.local_budget, settings.compile, only)
+            int8 = only is not None and any(name.endswith("+int8") for name in only)  # asked for by name only
+            contenders = build_contenders(model, settings.budgets, settings.local_budget, settings.compile, only,
+                                          int8=int8)
             for total in totals:
                 if settings.prefill:
                     log(f"[{time.perf_counter() - begin:6.0f} s] {name}: prefill, batch 1, total {total}")

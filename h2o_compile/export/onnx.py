@@ -4,8 +4,10 @@ The exported graph is the functional H2O graph of passes/h2o_attention.py, one `
 
     inputs   input_ids [B, T] int64, position_ids [B, T] int64, valid [B, T] bool,
              past_key_values.{i}.key [B, Hkv, C, D], .value [B, Hkv, C, Dv], .score [B, Hkv, C] f32,
-             .position [B, Hkv, C] int64 (-1 = empty slot)
-    outputs  logits [B, T, V], present.{i}.key / .value / .score / .position (same shapes as the inputs)
+             .position [B, Hkv, C] int64 (-1 = empty slot); with kv_dtype="int8" the key and value are int8
+             and .key_scale / .value_scale [B, Hkv, C] f32 follow (cache_plan.py)
+    outputs  logits [B, T, V], present.{i}.key / .value / .score / .position (/ .key_scale / .value_scale),
+             the same shapes as the inputs
 
 B and T are dynamic, C (the cache capacity, = H2OConfig.capacity(max_seq_len)) is static: it is the shape of
 the state, and the recent window and sink count baked into the graph are derived from it.
@@ -40,42 +42,44 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..cache_plan import CachePlan
 from ..config import H2OConfig
-from ..kernels.reference import empty_state
 from ..kernels.rules import POLICY_CODES, SCORES, parse_rule
 from ..passes import set_h2o_params
-from ..support import check_rolling_fits, check_sequence_fits, check_supported
+from ..passes.h2o_attention import state_fields
+from ..support import check_supported
 
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "h2o_config.json"
 FORMAT = "h2o_compile.onnx"
-FORMAT_VERSION = 2  # 2: the H2OAttention function takes rotary tables (rolling positions)
+FORMAT_VERSION = 3  # 2: the H2OAttention function takes rotary tables (rolling positions); 3: kv_dtype
 SUPPORTED_OPSETS = range(18, 24)  # the function body is written with opset 18 ops, unchanged up to 23
-STATE_FIELDS = ("key", "value", "score", "position")  # per layer, in graph order
 _DTYPES = {torch.float32: "float32", torch.float16: "float16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja")
 _UNSET = object()
 
 
-def state_input_names(num_layers: int) -> list[str]:
-    return [f"past_key_values.{i}.{f}" for i in range(num_layers) for f in STATE_FIELDS]
+def state_input_names(num_layers: int, quantized: bool = False) -> list[str]:
+    return [f"past_key_values.{i}.{f}" for i in range(num_layers) for f in state_fields(quantized)]
 
 
-def state_output_names(num_layers: int) -> list[str]:
-    return [f"present.{i}.{f}" for i in range(num_layers) for f in STATE_FIELDS]
+def state_output_names(num_layers: int, quantized: bool = False) -> list[str]:
+    return [f"present.{i}.{f}" for i in range(num_layers) for f in state_fields(quantized)]
 
 
 def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent,
                      sinks, policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None,
-                     query_from=None):
+                     query_from=None, key_scale=None, value_scale=None):
     """torch.ops.h2o.attention -> one call of the H2OAttention function (attributes carry the constants).
 
     A layer without learned sinks passes all -inf (no sink for any head): the function's input is always
-    there, and the constant lets ONNX Runtime fold the sink branch away (export/onnx_function.py)."""
+    there, and the constant lets ONNX Runtime fold the sink branch away (export/onnx_function.py).
+    Quantized entries (key_scale given): the function runs on the dequantized caches and its caches are
+    quantized again (export/onnx_function.py, ``dequantized`` / ``quantized``)."""
     from onnxscript import opset18 as op
 
-    from .onnx_function import H2OAttentionNode
+    from .onnx_function import H2OAttentionNode, dequantized, quantized
 
     rule = parse_rule(policy)
 
@@ -85,14 +89,21 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
     rolling = rope_cos is not None
     if not rolling:  # true positions: a placeholder table, never read (the function's If folds away)
         rope_cos = rope_sin = op.ConstantOfShape(op.Constant(value_ints=[1, 1, 2]))
-    return H2OAttentionNode(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache,
-                            sink_logits, rope_cos, rope_sin, scale=float(scale), recent=int(recent),
-                            sinks=int(sinks), policy=POLICY_CODES[rule.policy], seed=int(seed), window=int(window),
-                            softcap=float(softcap), rolling=int(rolling), score=SCORES.index(rule.score),
-                            decay=float(rule.decay))
+    if key_scale is not None:
+        key_cache, value_cache = dequantized(key_cache, key_scale), dequantized(value_cache, value_scale)
+    out, keys, values, scores, slots = H2OAttentionNode(
+        q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, sink_logits, rope_cos, rope_sin,
+        scale=float(scale), recent=int(recent), sinks=int(sinks), policy=POLICY_CODES[rule.policy], seed=int(seed),
+        window=int(window), softcap=float(softcap), rolling=int(rolling), score=SCORES.index(rule.score),
+        decay=float(rule.decay))
+    if key_scale is None:  # the op's two scale outputs are empty and unused
+        none = op.Constant(value_floats=[])
+        return out, keys, values, scores, slots, none, none
+    (keys, new_key_scale), (values, new_value_scale) = quantized(keys), quantized(values)
+    return out, keys, values, scores, slots, new_key_scale, new_value_scale
 
 
-_RULE_FIELDS = ("score", "score_decay", "prompt_window", "prompt_pool")
+_RULE_FIELDS = ("score", "score_decay", "prompt_window", "prompt_pool", "kv_dtype")
 
 
 def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding=_UNSET,
@@ -124,14 +135,14 @@ def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, s
 def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len: int | None = None,
                 batch_size: int | None = None, policy=_UNSET, recent_ratio=_UNSET, sink_tokens=_UNSET,
                 prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, positions=_UNSET, score=_UNSET,
-                score_decay=_UNSET, prompt_window=_UNSET, prompt_pool=_UNSET, opset: int = 18,
+                score_decay=_UNSET, prompt_window=_UNSET, prompt_pool=_UNSET, kv_dtype=_UNSET, opset: int = 18,
                 tokenizer=None) -> Path:
     """Export ``model`` (a transformers causal LM or an :class:`H2OModel`) with its H2O cache to ``out_dir``.
 
     Args:
         budget, policy, recent_ratio, sink_tokens, prefill, seed, compress_sliding, positions, score,
             score_decay: as :class:`H2OConfig` (prompt_window and prompt_pool are declined: the exported graph
-            has no input marking the prompt block)
+            has no input marking the prompt block), kv_dtype
             (default: the H2OModel's own settings, else H2OConfig's defaults). ``prefill`` is recorded for the
             ORT model.
         max_seq_len: the longest prompt + new tokens the export serves (default: the model's
@@ -148,7 +159,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
 
     hf_model, config = _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed,
                                        compress_sliding, positions, score=score, score_decay=score_decay,
-                                       prompt_window=prompt_window, prompt_pool=prompt_pool)
+                                       prompt_window=prompt_window, prompt_pool=prompt_pool, kv_dtype=kv_dtype)
     if opset not in SUPPORTED_OPSETS:
         raise ValueError(f"opset={opset!r}; allowed: {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
@@ -166,22 +177,18 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     capacity = config.capacity(max_seq_len)
     recent = config.recent_window(capacity)
     limits = check_supported(hf_model)  # from the config, before the slow capture
-    plan = _plan(config, limits, max_seq_len)  # (slots, recent, sinks) per layer
-    if config.positions == "true":
-        check_sequence_fits(limits, max_seq_len)
-    else:  # rolling: the last block of the sequence decides
-        block = max_seq_len if config.prefill == "full" else min(config.prefill, max_seq_len)
-        check_rolling_fits(limits, max(p[0] for p in plan), max_seq_len - block, block,
-                           context=f"max_seq_len={max_seq_len} with prefill={config.prefill!r}: ")
+    block = max_seq_len if config.prefill == "full" else config.prefill  # rolling: the last block decides
+    CachePlan.check_lengths(config, limits, max_seq_len, rolling_block=block)
 
-    graph, layers, _ = build_graph(hf_model, functional=True, positions=config.positions)
+    graph, layers, _ = build_graph(hf_model, functional=True, positions=config.positions,
+                                   quantized=config.quantized)
     dtype = layers[0].dtype
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype} is not supported by the ONNX export; use float32 or float16")
-    set_h2o_params(graph, recent=[p[1] for p in plan], sinks=[p[2] for p in plan], policy=config.rule.spec,
-                   seed=config.seed)
+    plan = CachePlan.build(config, layers, limits, max_seq_len=max_seq_len)
+    set_h2o_params(graph, recent=plan.recent, sinks=plan.sinks, policy=config.rule.spec, seed=config.seed)
 
-    program = _export_program(graph, layers, [p[0] for p in plan], max_seq_len, batch_size, opset)
+    program = _export_program(graph, plan, batch_size, opset)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -189,13 +196,11 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         "budget": config.budget, "policy": config.policy, "recent_ratio": config.recent_ratio,
         "sink_tokens": config.sink_tokens, "seed": config.seed, "prefill": config.prefill,
         "compress_sliding": config.compress_sliding, "positions": config.positions,
-        "score": config.score, "score_decay": config.score_decay,
+        "score": config.score, "score_decay": config.score_decay, "kv_dtype": config.kv_dtype,
         "capacity": capacity, "recent": recent, "max_seq_len": max_seq_len, "batch_size": batch_size,
         "opset": opset, "dtype": _DTYPES[dtype], "vocab_size": int(hf_model.config.vocab_size),
         "num_layers": len(layers),
-        "layers": [{"kv_heads": s.kv_heads, "head_dim": s.head_dim, "value_dim": s.value_dim, "capacity": p[0],
-                    "recent": p[1], "window": s.window, "softcap": s.softcap, "sinks": s.sinks}
-                   for s, p in zip(layers, plan)],
+        "layers": plan.layer_meta(),
         "model_type": getattr(hf_model.config, "model_type", None),
         "architecture": type(hf_model).__name__,
     }
@@ -206,31 +211,25 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     return out_dir
 
 
-def _plan(config: H2OConfig, limits, max_seq_len: int) -> list[tuple[int, int, int]]:
-    """(slots, recent, sinks) of every layer for sequences of ``max_seq_len`` tokens."""
-    return [config.layer_params(max_seq_len, window) for window in limits.windows]
-
-
-def _export_program(graph, layers, capacities: list[int], max_seq_len: int, batch_size: int | None, opset: int):
-    """torch.onnx.export (dynamo) of the functional graph (``capacities``: slots per layer); returns the
-    ONNXProgram with the function kept."""
+def _export_program(graph, plan: CachePlan, batch_size: int | None, opset: int):
+    """torch.onnx.export (dynamo) of the functional graph with ``plan``'s state; returns the ONNXProgram with
+    the function kept."""
+    max_seq_len = plan.max_seq_len
     example_b = batch_size or 2
     example_t = 3  # not 0/1 (torch.export would specialise) and different from B so the two stay independent
     device = next(graph.parameters()).device
     input_ids = torch.zeros(example_b, example_t, dtype=torch.long, device=device)
     positions = torch.arange(example_t, device=device).expand(example_b, -1).contiguous()
     valid = torch.ones(example_b, example_t, dtype=torch.bool, device=device)
-    state = []
-    for spec, slots in zip(layers, capacities):
-        state.extend(empty_state(example_b, spec.kv_heads, slots, spec.head_dim, value_dim=spec.value_dim,
-                                 dtype=spec.dtype, device=device))
+    state = [t for layer in plan.empty_state(example_b, device) for t in layer]
+    quantized = plan.layers[0].spec.quantized
     batch = torch.export.Dim("batch", min=1, max=4096) if batch_size is None else None
     block = torch.export.Dim("block", min=1, max=max(max_seq_len, example_t))
     token_dims = {0: batch, 1: block} if batch is not None else {1: block}
     state_dims = {0: batch} if batch is not None else None
     dynamic = (token_dims, token_dims, token_dims) + (state_dims,) * len(state)
-    names_in = ["input_ids", "position_ids", "valid"] + state_input_names(len(layers))
-    names_out = ["logits"] + state_output_names(len(layers))
+    names_in = ["input_ids", "position_ids", "valid"] + state_input_names(len(plan.layers), quantized)
+    names_out = ["logits"] + state_output_names(len(plan.layers), quantized)
     with torch.no_grad(), _quiet_exporter():
         program = torch.onnx.export(
             graph, (input_ids, positions, valid, *state), dynamo=True, dynamic_shapes=dynamic,

@@ -21,6 +21,9 @@ copy of the same arithmetic): ``score`` 0 = the accumulated sum, 1 = the mean ov
 g^(valid queries of the row), in an If on the attribute that folds away at g = 1. The prompt window and
 prompt pooling need a run-time input the exported graph does not have: export_onnx declines them.
 
+Quantized entries (kv_dtype="int8"): the exporter wraps the call, :func:`dequantized` caches in, the caches
+out :func:`quantized` again (the state between steps is int8 plus scales; one function body serves both).
+
 The layer's attention kind (kernels/reference.py): ``window`` W (sliding window, 0 = off), ``softcap`` c
 (0 = off) and ``sink_logits``, one learned logit per query head, always present: -inf is "no sink" for that
 head (exp(-inf) adds exactly 0 to the denominator), and the exporter passes all -inf for a layer without
@@ -67,7 +70,7 @@ Equivalence with the reference, step by step:
 from __future__ import annotations
 
 import onnx
-from onnxscript import BOOL, FLOAT, INT64, script
+from onnxscript import BOOL, FLOAT, INT8, INT64, script
 from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
 
@@ -279,6 +282,27 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     new_positions = op.Where(kept_old, pos_cache, op.Where(filled, op.GatherElements(all_pos, src, axis=2),
                                                            minus1))
     return out, new_keys, new_values, new_scores, new_positions
+
+
+def dequantized(entries, scales):
+    """int8 entries [B, Hkv, C, D] and their scales [B, Hkv, C] f32 -> s * q [B, Hkv, C, D] f32, inline ops.
+
+    Quantized entries (kernels/quantized.py) reach H2OAttention dequantized, in fp32 whatever the model's
+    dtype, so that quantizing its output again gives back each kept entry's int8 vector: a kept vector's
+    largest |q| is 127, hence max|s * q| / 127 = s up to rounding, and round(s * q / s) = q."""
+    return op.Mul(op.Cast(entries, to=FLOAT.dtype), op.Unsqueeze(scales, [3]))
+
+
+def quantized(x):
+    """x [B, Hkv, C, D] -> (int8 [B, Hkv, C, D], scales [B, Hkv, C] f32): s = max|x| / 127 (1 for a zero vector,
+    which an empty slot holds), q = clamp(round(x / s), -127, 127), as kernels/quantized.py (Round is half to
+    even in ONNX as in torch)."""
+    x = op.Cast(x, to=FLOAT.dtype)
+    scale = op.Div(op.ReduceMax(op.Abs(x), [3], keepdims=0), op.Constant(value_float=127.0))
+    scale = op.Where(op.Greater(scale, op.Constant(value_float=0.0)), scale, op.Constant(value_float=1.0))
+    q = op.Clip(op.Round(op.Div(x, op.Unsqueeze(scale, [3]))), op.Constant(value_float=-127.0),
+                op.Constant(value_float=127.0))
+    return op.Cast(q, to=INT8.dtype), scale
 
 
 _INPUTS = (("q", "T"), ("k", "T"), ("v", "T"), ("positions", "tensor(int64)"), ("valid", "tensor(bool)"),

@@ -3,7 +3,7 @@
     model = H2OOrtModel.from_pretrained("out_dir")            # CUDA provider when available, else CPU
     ids = model.generate(input_ids, attention_mask, max_new_tokens=64)
 
-The H2O state never leaves the provider's device: each layer's four tensors live in two sets of OrtValues
+The H2O state never leaves the provider's device: each layer's tensors (cache_plan.py) live in two sets of OrtValues
 that the graph reads from and writes to alternately (IO binding; "present" of one step is "past" of the
 next), so a decode step copies only token ids / positions in and logits out. Inputs and logits are torch
 tensors bound by pointer: on CUDA (with a CUDA torch) they stay on the GPU and generation.generate samples
@@ -21,19 +21,21 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from .. import generation
+from ..cache_plan import CachePlan
 from .onnx import CONFIG_FILE, FORMAT, MODEL_FILE, TOKENIZER_FILES, state_input_names, state_output_names
 
 _PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _COMPANION_FILES = ("config.json", "generation_config.json") + TOKENIZER_FILES
 # ONNX TensorProto element types, for binding torch buffers by pointer (covers bf16, which numpy lacks).
-_ONNX_TYPES = {torch.float32: 1, torch.int64: 7, torch.bool: 9, torch.float16: 10, torch.bfloat16: 16}
+_ONNX_TYPES = {torch.float32: 1, torch.int8: 3, torch.int64: 7, torch.bool: 9, torch.float16: 10,
+               torch.bfloat16: 16}
 _TORCH_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
                  "tensor(bfloat16)": torch.bfloat16}
+_META_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 def _choose_provider(provider: str | None) -> str:
@@ -71,11 +73,14 @@ class H2OOrtModel:
         self.device = torch.device("cuda", self._device_id) if use_cuda_tensors else torch.device("cpu")
         outputs = {o.name: o for o in session.get_outputs()}
         self._logits_dtype = _TORCH_DTYPES[outputs["logits"].type]
-        self._cache_dtype = _TORCH_DTYPES[outputs["present.0.key"].type]
+        self._cache_dtype = _META_DTYPES.get(meta.get("dtype"), self._logits_dtype)
         vocab = outputs["logits"].shape[-1]  # the graph's own (static) width, else the config's vocab
         self._vocab = vocab if isinstance(vocab, int) else int(meta["vocab_size"])
         n = int(meta["num_layers"])
-        self._past, self._present = state_input_names(n), state_output_names(n)
+        self.plan = CachePlan.from_meta(meta, self._cache_dtype)
+        quantized = meta.get("kv_dtype", "model") == "int8"
+        self._fields = len(self.plan.layers[0].fields) if self.plan.layers else 4  # state tensors per layer
+        self._past, self._present = state_input_names(n, quantized), state_output_names(n, quantized)
         self.capacity: int = int(meta["capacity"])
         self.max_seq_len: int | None = None  # of the current reset(); meta["max_seq_len"] bounds it
         self._state = self._spare = None
@@ -138,13 +143,8 @@ class H2OOrtModel:
     # -- state ---------------------------------------------------------------------------------------------
 
     def _state_specs(self, batch: int):
-        for layer in self.meta["layers"]:
-            # Exports before per-layer attention kinds had one capacity for every layer.
-            shape = (batch, layer["kv_heads"], int(layer.get("capacity", self.capacity)))
-            yield shape + (layer["head_dim"],), self._cache_dtype, 0
-            yield shape + (layer["value_dim"],), self._cache_dtype, 0
-            yield shape, torch.float32, 0
-            yield shape, torch.int64, -1
+        """(shape, dtype, empty value) of every state tensor, in graph order (cache_plan.py)."""
+        return [spec for layer in self.plan.layers for spec in layer.tensor_specs(batch)]
 
     def reset(self, batch_size: int, max_seq_len: int) -> None:
         """Empty caches of the exported C slots for ``batch_size`` rows and up to ``max_seq_len`` tokens."""
@@ -176,7 +176,8 @@ class H2OOrtModel:
         self.max_seq_len, self._fed = max_seq_len, 0
 
     def state(self) -> list:
-        """The current state as OrtValues, per layer: key, value, score (fp32), position (int64)."""
+        """The current state as OrtValues, per layer: key, value, score (fp32), position (int64), and with
+        kv_dtype="int8" the key and value scales."""
         if self._state is None:
             raise RuntimeError("no cache yet: call reset(batch_size, max_seq_len) or generate() first")
         return list(self._state)
@@ -186,13 +187,13 @@ class H2OOrtModel:
         n = int(self.meta["num_layers"])
         if not 0 <= layer < n:
             raise ValueError(f"layer={layer} out of range; the model has {n} layers")
-        return torch.from_numpy(self.state()[4 * layer + 3].numpy().copy())
+        return torch.from_numpy(self.state()[self._fields * layer + 3].numpy().copy())
 
     def kv_cache_bytes(self, batch_size: int | None = None) -> int:
-        """Bytes of the H2O state of all layers (keys, values, scores, positions; one of the two alternating
-        sets) for ``batch_size`` rows: default the batch of the last reset(), or 1 before any."""
+        """Bytes of the H2O state of all layers (keys, values, scores, positions, int8 scales; one of the two
+        alternating sets) for ``batch_size`` rows: default the batch of the last reset(), or 1 before any."""
         batch = batch_size or (self.seen.shape[0] if self._state is not None else 1)
-        return sum(int(np.prod(shape)) * dtype.itemsize for shape, dtype, _ in self._state_specs(batch))
+        return self.plan.nbytes(batch)
 
     # -- running -------------------------------------------------------------------------------------------
 

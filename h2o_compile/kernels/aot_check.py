@@ -1,11 +1,12 @@
 """Compile the Triton kernels for a real GPU target without a GPU (Triton ships ptxas), to catch what the
 interpreter cannot: type errors in lowering, unsupported ops, shared-memory overflows.
 
-    python -m h2o_compile.kernels.aot_check            # every dtype x head shape x kind (72 variants)
-    python -m h2o_compile.kernels.aot_check --quick    # fp16, one head shape, both kinds (8 variants)
+    python -m h2o_compile.kernels.aot_check            # every dtype x head shape x kind (90 variants)
+    python -m h2o_compile.kernels.aot_check --quick    # fp16, one head shape, every kind (10 variants)
 
 Each dtype x head shape also compiles the four kernels once with every attention kind on (sliding window,
-soft-capping, sink logits: the code paths a hybrid layer such as Gemma 2/3's or GPT-OSS's takes).
+soft-capping, sink logits: the code paths a hybrid layer such as Gemma 2/3's or GPT-OSS's takes), and the two
+decode kernels once over an int8 cache with its scales (kv_dtype="int8").
 
 Must run with TRITON_INTERPRET unset (interpreted kernels cannot be compiled); exits 1 if any variant fails.
 """
@@ -60,7 +61,9 @@ def variants(quick: bool):
             ptrs = {n: f"*{dt}" for n in ("Q", "K_CACHE", "V_CACHE", "K_NEW", "V_NEW", "OUT")}
             ptrs.update(POS_CACHE="*i64", POSITIONS="*i64", VALID="*i1", LOGITS="*fp32", PART_M="*fp32",
                         PART_L="*fp32", PART_ACC="*fp32", MASS="*fp32", MASS_NEW="*fp32",
-                        SINK_LOGITS=f"*{dt}")
+                        SINK_LOGITS=f"*{dt}", K_SCALE="*fp32", V_SCALE="*fp32")
+            int8 = dict(ptrs, K_CACHE="*i8", V_CACHE="*i8")
+            plain_cache, int8_cache = dict(QUANT_K=False, QUANT_V=False), dict(QUANT_K=True, QUANT_V=True)
             partial = dict(common, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block,
                            DOT_PRECISION=precision)
             finish = dict(common, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=1024)
@@ -72,13 +75,19 @@ def variants(quick: bool):
             warps = 8 if d >= 128 else 4
             for kind, extra, sinks in (("", _PLAIN, False), (" hybrid", _HYBRID, True)):
                 tag = f"{dt} G={group} D={d}{kind}"
-                yield f"decode partial {tag}", td._decode_partial_kernel, ptrs, dict(partial, **extra), 4
+                yield (f"decode partial {tag}", td._decode_partial_kernel, ptrs,
+                       dict(partial, **extra, **plain_cache), 4)
                 # The policy is torch code after the kernels (kernels/rules.py): one finish kernel per kind.
                 yield (f"decode finish {tag}", td._decode_finish_kernel, ptrs,
-                       dict(finish, HAS_SINKS=sinks, **extra), 8)
+                       dict(finish, HAS_SINKS=sinks, **extra, **plain_cache), 8)
                 yield (f"prefill forward {tag}", tp._prefill_fwd_kernel, pre,
                        dict(forward, HAS_SINKS=sinks, **extra), warps)
                 yield f"prefill mass {tag}", tp._prefill_mass_kernel, pre, dict(base, HKV=8, **extra), warps
+            # Quantized entries change only the decode kernels (a block reads a dequantized copy).
+            tag = f"{dt} G={group} D={d} int8"
+            yield (f"decode partial {tag}", td._decode_partial_kernel, int8, dict(partial, **_PLAIN, **int8_cache), 4)
+            yield (f"decode finish {tag}", td._decode_finish_kernel, int8,
+                   dict(finish, HAS_SINKS=False, **_PLAIN, **int8_cache), 8)
 
 
 def main(argv=None) -> int:

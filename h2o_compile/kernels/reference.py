@@ -8,6 +8,9 @@ computes; ../DESIGN.md section 2 states it in words. The state of one layer is s
     score_cache [B, Hkv, C]      accumulated attention A[p], fp32
     pos_cache   [B, Hkv, C]      int64 token position held by the slot, -1 = empty
 
+With quantized entries (kv_dtype="int8", kernels/quantized.py) the key and value caches are int8 and two fp32
+scales [B, Hkv, C] follow; a block's own tokens are attended at full precision and stored quantized.
+
 One call appends a block of T >= 1 new tokens (a prompt, a prompt chunk or one decode token):
 attend over (kept keys + causal block), add the probability mass every key received (summed over the
 block's queries and over the query heads of its KV group) to its score, then evict down to C slots.
@@ -36,6 +39,7 @@ import torch
 from torch import Tensor
 
 from . import cpu_prefill
+from .quantized import EMPTY_SCALE, dequantize, quantize
 from .rolling import RopeTables, rotate_block
 from .rules import POLICY_CODES, EvictionRule, parse_rule, random_priority  # noqa: F401  (re-exported)
 from .rules import carried_scores, eviction_priority, live_entries, pool_block_scores, query_weights
@@ -43,23 +47,85 @@ from .rules import carried_scores, eviction_priority, live_entries, pool_block_s
 
 
 class H2OState(NamedTuple):
-    """One layer's cache; see the module docstring for shapes."""
+    """One layer's cache in the model's dtype; see the module docstring for shapes."""
 
     key_cache: Tensor
     value_cache: Tensor
     score_cache: Tensor
     pos_cache: Tensor
 
+    key_scale = property(lambda self: None)    # the interface of QuantizedState: no scales here
+    value_scale = property(lambda self: None)
+    quantized = False
 
-def empty_state(batch, kv_heads, capacity, head_dim, *, value_dim=None, dtype=torch.float32, device=None):
-    """An empty cache: zeros, scores 0, every position -1."""
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The state's tensors in the order of the op's arguments."""
+        return tuple(self)
+
+    def clone(self) -> "H2OState":
+        return H2OState(*(t.clone() for t in self))
+
+
+class QuantizedState(NamedTuple):
+    """One layer's cache with int8 entries and their fp32 scales (kernels/quantized.py). A scale of None marks
+    a cache that attention reads already dequantized (rotated keys under rolling positions)."""
+
+    key_cache: Tensor
+    value_cache: Tensor
+    score_cache: Tensor
+    pos_cache: Tensor
+    key_scale: Optional[Tensor]
+    value_scale: Optional[Tensor]
+
+    quantized = True
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return tuple(self)
+
+    def clone(self) -> "QuantizedState":
+        return QuantizedState(*(None if t is None else t.clone() for t in self))
+
+
+def make_state(key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
+               key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None):
+    """An H2OState, or a QuantizedState when a scale is given."""
+    if key_scale is None and value_scale is None:
+        return H2OState(key_cache, value_cache, score_cache, pos_cache)
+    return QuantizedState(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
+
+
+def empty_state(batch, kv_heads, capacity, head_dim, *, value_dim=None, dtype=torch.float32, device=None,
+                quantized: bool = False):
+    """An empty cache: zeros, scores 0, every position -1 (quantized: int8 zeros, scales 1)."""
     value_dim = head_dim if value_dim is None else value_dim
-    return H2OState(
-        torch.zeros(batch, kv_heads, capacity, head_dim, dtype=dtype, device=device),
-        torch.zeros(batch, kv_heads, capacity, value_dim, dtype=dtype, device=device),
-        torch.zeros(batch, kv_heads, capacity, dtype=torch.float32, device=device),
-        torch.full((batch, kv_heads, capacity), -1, dtype=torch.int64, device=device),
+    shape = (batch, kv_heads, capacity)
+    entry_dtype = torch.int8 if quantized else dtype
+    scales = (torch.full(shape, EMPTY_SCALE, device=device), torch.full(shape, EMPTY_SCALE, device=device))
+    return make_state(
+        torch.zeros(*shape, head_dim, dtype=entry_dtype, device=device),
+        torch.zeros(*shape, value_dim, dtype=entry_dtype, device=device),
+        torch.zeros(shape, dtype=torch.float32, device=device),
+        torch.full(shape, -1, dtype=torch.int64, device=device),
+        *(scales if quantized else ()),
     )
+
+
+def readable(state: H2OState, dtype: torch.dtype) -> H2OState:
+    """The state as attention reads it: quantized keys and values dequantized to ``dtype`` (a copy; the block
+    path only, the decode step dequantizes slot chunks inside :func:`attend_decode`)."""
+    if not state.quantized:
+        return state
+    return H2OState(dequantize(state.key_cache, state.key_scale, dtype),
+                    dequantize(state.value_cache, state.value_scale, dtype), state.score_cache, state.pos_cache)
+
+
+def stored_entries(k: Tensor, v: Tensor, state: H2OState) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
+    """What the cache holds of new tokens k [B, Hkv, T, D], v [B, Hkv, T, Dv]: (keys, values, key scales,
+    value scales) in the cache's dtype, the scales [B, Hkv, T] fp32 when quantized, else None."""
+    if not state.quantized:
+        return k.to(state.key_cache.dtype), v.to(state.value_cache.dtype), None, None
+    (kq, ks), (vq, vs) = quantize(k), quantize(v)
+    return kq, vq, ks, vs
 
 
 def capped_logits(logits: Tensor, softcap: float) -> Tensor:
@@ -145,48 +211,65 @@ def _block_inputs(k, positions, valid):
     return valid, new_pos[:, None, :].expand(b, hkv, t), newest
 
 
+def attend_block(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, positions: Tensor, valid: Tensor,
+                 scale: float, *, new_from: int, window: int, softcap: float, sink_logits: Optional[Tensor],
+                 query_weight: Optional[Tensor], need_mass: bool) -> tuple[Tensor, Tensor]:
+    """The attention of a block over (cache + block) on the reference path: torch's fused attention where it
+    applies (the mass only where a rule reads it, kernels/cpu_prefill.py), else :func:`attend`.
+    Shapes as :func:`attend`; the Triton backend passes its own function of this signature."""
+    if cpu_prefill.supports(q, softcap):
+        return cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, scale, new_from=new_from,
+                                       window=window, sink_logits=sink_logits, query_weight=query_weight,
+                                       need_mass=need_mass)
+    return attend(q, keys, values, key_pos, positions, valid, scale, new_from=new_from, window=window,
+                  softcap=softcap, sink_logits=sink_logits, query_weight=query_weight)
+
+
 def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                   state: H2OState, *, scale: float, recent: int, sinks: int, policy: str,
                   seed: int = 0, window: int = 0, softcap: float = 0.0,
                   sink_logits: Optional[Tensor] = None, rope: Optional[RopeTables] = None,
-                  query_from: Optional[Tensor] = None) -> tuple[Tensor, H2OState]:
+                  query_from: Optional[Tensor] = None, attend_fn=attend_block) -> tuple[Tensor, H2OState]:
     """Functional H2O attention over one block of T >= 1 new tokens (the general path).
 
     Args:
         q: [B, Hq, T, D]; k: [B, Hkv, T, D]; v: [B, Hkv, T, Dv]
         positions: [B, T] int64 true positions of the new tokens.
         valid: [B, T] bool or None; False marks a padding token, which is never attended nor cached.
-        state: the layer's cache (C slots).
+        state: the layer's cache (C slots), quantized or not.
         policy: the eviction rule, a policy name or an ``EvictionRule.spec`` (kernels/rules.py).
         window, softcap, sink_logits [Hq] or None: the layer's attention kind (module docstring).
         rope: rotary tables for rolling positions (kernels/rolling.py): q, k and the cache hold unrotated
             vectors, rotated by their rank in the cache for the attention only. None = true positions.
         query_from: [B] int64 or None; given with the prompt block only: queries before it add no mass, and
             the rule's prompt pooling applies (kernels/rules.py).
+        attend_fn: the attention of the block, :func:`attend_block`'s signature (the Triton backend's kernel).
     Returns:
         out [B, Hq, T, Dv] and the new state. The block attends over C + T keys; ``attend`` takes the queries
         in chunks, so a whole prompt (prefill "full") never holds all [B, Hq, T, C + T] probabilities.
     """
-    key_cache, value_cache, score_cache, pos_cache = state
-    cap = pos_cache.shape[-1]
+    cap = state.pos_cache.shape[-1]
     rule = parse_rule(policy)
     valid, new_pos, newest = _block_inputs(k, positions, valid)
-    all_keys = torch.cat([key_cache, k.to(key_cache.dtype)], dim=2)             # [B, Hkv, C+T, D]
-    all_values = torch.cat([value_cache, v.to(value_cache.dtype)], dim=2)
-    all_pos = torch.cat([pos_cache, new_pos], dim=2)                            # [B, Hkv, C+T]
-    q_seen, k_seen, state_seen = rolled_inputs(q, k, valid, state, rope)
-    keys_seen = all_keys if rope is None else torch.cat([state_seen.key_cache, k_seen.to(key_cache.dtype)], dim=2)
+    seen = readable(state, k.dtype)
+    q_seen, k_seen, state_seen = rolled_inputs(q, k, valid, seen, rope)
+    keys_seen = torch.cat([state_seen.key_cache, k_seen.to(seen.key_cache.dtype)], dim=2)  # [B, Hkv, C+T, D]
+    values_seen = torch.cat([seen.value_cache, v.to(seen.value_cache.dtype)], dim=2)
+    all_pos = torch.cat([state.pos_cache, new_pos], dim=2)                                 # [B, Hkv, C+T]
     weight = query_weights(rule, positions, valid, query_from)
-    if cpu_prefill.supports(q_seen, softcap):  # torch's fused attention, the mass only where a rule reads it
-        out, mass = cpu_prefill.attend_sdpa(q_seen, keys_seen, all_values, all_pos, positions, valid, scale,
-                                            new_from=cap, window=window, sink_logits=sink_logits,
-                                            query_weight=weight, need_mass=rule.reads_mass)
+    out, mass = attend_fn(q_seen, keys_seen, values_seen, all_pos, positions, valid, scale, new_from=cap,
+                          window=window, softcap=softcap, sink_logits=sink_logits, query_weight=weight,
+                          need_mass=rule.reads_mass)
+    all_scores = block_scores(rule, state.score_cache, mass, valid, query_from)
+    if not state.quantized and rope is None:  # what was attended is what is stored
+        entries = H2OState(keys_seen, values_seen, all_scores, all_pos)
     else:
-        out, mass = attend(q_seen, keys_seen, all_values, all_pos, positions, valid, scale, new_from=cap,
-                           window=window, softcap=softcap, sink_logits=sink_logits, query_weight=weight)
-    all_scores = block_scores(rule, score_cache, mass, valid, query_from)
-    new_state = compress(H2OState(all_keys, all_values, all_scores, all_pos), newest, cap, recent=recent,
-                         sinks=sinks, policy=policy, seed=seed, window=window)
+        new_k, new_v, new_ks, new_vs = stored_entries(k, v, state)
+        entries = make_state(torch.cat([state.key_cache, new_k], dim=2), torch.cat([state.value_cache, new_v], dim=2),
+                             all_scores, all_pos,
+                             *((torch.cat([state.key_scale, new_ks], dim=2),
+                                torch.cat([state.value_scale, new_vs], dim=2)) if state.quantized else ()))
+    new_state = compress(entries, newest, cap, recent=recent, sinks=sinks, policy=policy, seed=seed, window=window)
     return out, new_state
 
 
@@ -218,13 +301,13 @@ def compress(entries: H2OState, newest: Tensor, cap: int, *, recent: int, sinks:
 
     Args:
         entries: the C old slots followed by the T new tokens, scores already including this block's mass:
-            [B, Hkv, C+T, D], [B, Hkv, C+T, Dv], [B, Hkv, C+T] fp32, [B, Hkv, C+T] int64 (-1 = nothing).
+            [B, Hkv, C+T, D], [B, Hkv, C+T, Dv], [B, Hkv, C+T] fp32, [B, Hkv, C+T] int64 (-1 = nothing),
+            and with quantized entries the two [B, Hkv, C+T] scales (they move with their vectors).
         newest: [B, 1, 1] int64, t1 per row. cap: C. window: the layer's sliding window (0 = none).
     Returns:
         The new state (C slots): kept old entries stay in their slots, kept new tokens fill the freed ones.
     """
-    all_keys, all_values, all_scores, all_pos = entries
-    k = all_keys[:, :, cap:]
+    all_scores, all_pos = entries.score_cache, entries.pos_cache
     new_pos = all_pos[:, :, cap:]
     # Rank entries by (priority desc, position desc): two stable sorts, position first.
     priority = eviction_priority(parse_rule(policy), all_scores, all_pos, newest, recent, sinks, seed, window)
@@ -237,10 +320,10 @@ def compress(entries: H2OState, newest: Tensor, cap: int, *, recent: int, sinks:
     kept_old, kept_new = keep[..., :cap], keep[..., cap:]
     freed = ~kept_old                                                            # [B, Hkv, C]
     # The r-th freed slot receives the r-th kept new token (both counted in increasing order).
-    t = k.shape[2]
+    t = new_pos.shape[2]
     new_rank = torch.where(kept_new, kept_new.long().cumsum(-1) - 1, torch.full_like(new_pos, t))
-    source_by_rank = torch.full(new_pos.shape[:2] + (t + 1,), -1, dtype=torch.long, device=k.device)
-    source_by_rank.scatter_(-1, new_rank, torch.arange(t, device=k.device).expand_as(new_rank))
+    source_by_rank = torch.full(new_pos.shape[:2] + (t + 1,), -1, dtype=torch.long, device=new_pos.device)
+    source_by_rank.scatter_(-1, new_rank, torch.arange(t, device=new_pos.device).expand_as(new_rank))
     source_by_rank[..., t] = -1  # the overflow column collected the tokens that were not kept
     free_rank = (freed.long().cumsum(-1) - 1).clamp(0, t)
     source = torch.where(freed, source_by_rank.gather(-1, free_rank), torch.full_like(free_rank, -1))
@@ -256,7 +339,8 @@ def compress(entries: H2OState, newest: Tensor, cap: int, *, recent: int, sinks:
         keep_mask = kept_old if entries.dim() == 3 else kept_old[..., None]
         return torch.where(keep_mask, old, fresh)
 
-    return H2OState(take(all_keys, 0), take(all_values, 0), take(all_scores, 0.0), take(all_pos, -1))
+    empty = (0, 0, 0.0, -1, EMPTY_SCALE, EMPTY_SCALE)  # what an empty slot holds, field by field
+    return make_state(*(take(x, e) for x, e in zip(entries.tensors(), empty)))
 
 
 def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OState, scale: float,
@@ -270,16 +354,17 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
 
     Args:
         q: [B, Hq, 1, D]; k: [B, Hkv, 1, D]; v: [B, Hkv, 1, Dv]; valid: [B, 1] bool.
+        state: its scales given, the int8 keys / values are read in slot chunks and never copied whole.
         new_pos: [B, Hkv, 1] int64, the new token's position (needed only with a window).
         window, softcap, sink_logits [Hq]: the layer's attention kind (module docstring).
     Returns:
         out [B, Hq, 1, Dv] (q's dtype), mass over the cache [B, Hkv, C] and on the new key [B, Hkv, 1] (fp32).
     """
-    key_cache, value_cache, _, pos_cache = state
+    key_cache, value_cache, pos_cache = state.key_cache, state.value_cache, state.pos_cache
     b, hq, _, d = q.shape
     hkv = key_cache.shape[1]
     qg = q.reshape(b, hkv, hq // hkv, d).float()                                 # [B, Hkv, G, D]
-    cached = capped_logits(torch.matmul(qg, key_cache.float().transpose(2, 3)).mul_(scale), softcap)
+    cached = capped_logits(_cache_logits(qg, key_cache, state.key_scale).mul_(scale), softcap)
     hidden = pos_cache < 0                                                       # [B, Hkv, C]
     if window > 0:
         hidden = hidden | (pos_cache <= new_pos - window)
@@ -287,7 +372,8 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
     own = capped_logits((qg * k.float()).sum(-1, keepdim=True) * scale, softcap)  # [B, Hkv, G, 1], always visible
     sink = None if sink_logits is None else sink_logits.float().view(1, hkv, hq // hkv, 1)
     probs = softmax_with_sink(torch.cat([cached, own], dim=-1), sink)            # [B, Hkv, G, C+1]
-    out = torch.matmul(probs[..., :-1], value_cache.float()) + probs[..., -1:] * v.float().reshape(b, hkv, 1, -1)
+    out = (_cache_values(probs[..., :-1], value_cache, state.value_scale)
+           + probs[..., -1:] * v.float().reshape(b, hkv, 1, -1))
     # A padding token (valid False) attends nowhere: zero output, zero mass (x 1 leaves the others exact).
     keep = valid.view(b, 1, 1).float()
     mass = probs.sum(dim=2) * keep                                               # [B, Hkv, C+1]
@@ -295,14 +381,44 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
     return out.reshape(b, hq, 1, -1).to(q.dtype), mass[..., :-1], mass[..., -1:]
 
 
+_DEQUANT_SLOTS = 256  # int8 slots converted to fp32 at a time by the decode step: the copy stays in cache
+
+
+def _cache_logits(qg: Tensor, key_cache: Tensor, key_scale: Optional[Tensor]) -> Tensor:
+    """q . k for every cached key: qg [B, Hkv, G, D] fp32 -> [B, Hkv, G, C] fp32. Quantized keys are read
+    ``_DEQUANT_SLOTS`` at a time, their scale applied to the dot products (q . (s k) = s (q . k))."""
+    if key_scale is None:
+        return torch.matmul(qg, key_cache.float().transpose(2, 3))
+    cap = key_cache.shape[2]
+    parts = [torch.matmul(qg, key_cache[:, :, c0:c0 + _DEQUANT_SLOTS].float().transpose(2, 3))
+             * key_scale[:, :, None, c0:c0 + _DEQUANT_SLOTS] for c0 in range(0, cap, _DEQUANT_SLOTS)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _cache_values(probs: Tensor, value_cache: Tensor, value_scale: Optional[Tensor]) -> Tensor:
+    """sum_c probs[c] v[c]: probs [B, Hkv, G, C] fp32 -> [B, Hkv, G, Dv] fp32; a quantized value's scale
+    multiplies its probability instead of the vector, chunk by chunk as in :func:`_cache_logits`."""
+    if value_scale is None:
+        return torch.matmul(probs, value_cache.float())
+    weighted = probs * value_scale[:, :, None, :]
+    out = None
+    for c0 in range(0, value_cache.shape[2], _DEQUANT_SLOTS):
+        part = torch.matmul(weighted[..., c0:c0 + _DEQUANT_SLOTS], value_cache[:, :, c0:c0 + _DEQUANT_SLOTS].float())
+        out = part if out is None else out + part
+    return out
+
+
 def rolled_inputs(q: Tensor, k: Tensor, valid: Tensor, state: H2OState,
                   rope: Optional[RopeTables]) -> tuple[Tensor, Tensor, H2OState]:
     """(q, k, state) as the attention of a block reads them. With rolling positions (``rope`` given): q, k and
-    a copy of the cached keys rotated at their rolling positions; the cache itself keeps unrotated keys."""
+    a copy of the cached keys rotated at their rolling positions (dequantized first when quantized); the cache
+    itself keeps unrotated keys."""
     if rope is None:
         return q, k, state
-    q_rot, k_rot, cache_rot = rotate_block(q, k, state.key_cache, state.pos_cache, valid, rope)
-    return q_rot, k_rot, state._replace(key_cache=cache_rot)
+    keys = state.key_cache if state.key_scale is None else dequantize(state.key_cache, state.key_scale, q.dtype)
+    q_rot, k_rot, cache_rot = rotate_block(q, k, keys, state.pos_cache, valid, rope)
+    return q_rot, k_rot, make_state(cache_rot, state.value_cache, state.score_cache, state.pos_cache, None,
+                                    state.value_scale)
 
 
 def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
@@ -343,7 +459,7 @@ def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, new
         positions: [B, 1] int64 and query_from: [B] int64, needed only when a prompt token arrives through
             this path (a one-token prompt or chunk) under a prompt window (kernels/rules.py).
     """
-    key_cache, value_cache, score_cache, pos_cache = state
+    score_cache, pos_cache = state.score_cache, state.pos_cache
     rule = parse_rule(policy)
     weight = None if query_from is None else query_weights(rule, positions, valid, query_from)
     if weight is not None:                                                       # [B, 1]
@@ -370,10 +486,14 @@ def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, new
         flat.index_put_((entry, slot), torch.where(mask, new.reshape(old.shape).to(buf.dtype), old))
 
     score_cache.copy_(scores)
-    put(key_cache, k)
-    put(value_cache, v)
+    new_k, new_v, new_ks, new_vs = stored_entries(k, v, state)  # quantized at write time when the state is
+    put(state.key_cache, new_k)
+    put(state.value_cache, new_v)
     put(score_cache, mass_new)
     put(pos_cache, new_pos)
+    if state.quantized:
+        put(state.key_scale, new_ks)
+        put(state.value_scale, new_vs)
 
 
 def h2o_attention_(q, k, v, positions, valid, state: H2OState, *, scale, recent, sinks, policy, seed=0,
@@ -385,6 +505,11 @@ def h2o_attention_(q, k, v, positions, valid, state: H2OState, *, scale, recent,
                            policy=policy, seed=seed, **kind)
     out, new_state = h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
                                    sinks=sinks, policy=policy, seed=seed, **kind)
-    for buf, new in zip(state, new_state):
-        buf.copy_(new)
+    copy_state_(state, new_state)
     return out
+
+
+def copy_state_(state: H2OState, new_state: H2OState) -> None:
+    """Write ``new_state`` into ``state``'s buffers (the in-place ops' result)."""
+    for buf, new in zip(state.tensors(), new_state.tensors()):
+        buf.copy_(new)

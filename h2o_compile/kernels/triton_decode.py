@@ -89,7 +89,7 @@ def _visible_slots(kpos, qpos, qvalid, n_mask, WINDOW: tl.constexpr):
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, K_CACHE, V_CACHE, POS_CACHE, POSITIONS, VALID,
+    Q, K_CACHE, V_CACHE, POS_CACHE, POSITIONS, VALID, K_SCALE, V_SCALE,
     LOGITS, PART_M, PART_L, PART_ACC,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_kc, stride_kd,
@@ -100,6 +100,7 @@ def _decode_partial_kernel(
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_VALID: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    QUANT_K: tl.constexpr, QUANT_V: tl.constexpr,
 ):
     tl.static_assert(BLOCK_G >= 16, "tl.dot needs at least 16 rows; pad the query group")
     tl.static_assert(BLOCK_N >= 16)
@@ -109,7 +110,8 @@ def _decode_partial_kernel(
     offs_g, offs_d, offs_dv, g_mask = _group_offsets(G, BLOCK_G, BLOCK_D, BLOCK_DV)
     q = tl.load(Q + b * stride_qb + (h * G + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                 mask=g_mask[:, None] & (offs_d[None, :] < D), other=0.0)
-    q = q.to(K_CACHE.dtype.element_ty)
+    if not QUANT_K:  # int8 entries are converted to q's dtype instead (exact: |q| <= 127)
+        q = q.to(K_CACHE.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -126,8 +128,12 @@ def _decode_partial_kernel(
         n_mask = offs_n < C
         kpos = tl.load(POS_CACHE + b * stride_pb + h * stride_ph + offs_n * stride_pc, mask=n_mask, other=-1)
         k = tl.load(k_base + offs_n[:, None] * stride_kc + offs_d[None, :] * stride_kd,
-                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale        # [BLOCK_G, BLOCK_N]
+                    mask=n_mask[:, None] & (offs_d[None, :] < D), other=0)
+        if QUANT_K:  # q . (s k) = s (q . k): one scale per slot, shared layout with POS_CACHE
+            k_scale = tl.load(K_SCALE + b * stride_pb + h * stride_ph + offs_n * stride_pc, mask=n_mask, other=1.0)
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * k_scale[None, :] * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale    # [BLOCK_G, BLOCK_N]
         if SOFTCAP > 0:
             s = soft_cap(s, SOFTCAP)
         vis = _visible_slots(kpos, qpos, qvalid, n_mask, WINDOW)
@@ -137,9 +143,14 @@ def _decode_partial_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.where(vis[None, :], tl.exp2(s - m_new[:, None]), 0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vc + offs_dv[None, :] * stride_vd,
-                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                    mask=n_mask[:, None] & (offs_dv[None, :] < DV), other=0)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if QUANT_V:  # sum_n p_n (s_n v_n): the scale weights the probability
+            v_scale = tl.load(V_SCALE + b * stride_pb + h * stride_ph + offs_n * stride_pc, mask=n_mask, other=1.0)
+            pv = tl.dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     part = (pid_bh * NUM_SPLITS + pid_s) * G + offs_g  # PART_* are [B*Hkv, S, G(, DV)]
@@ -164,6 +175,7 @@ def _decode_finish_kernel(
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_VALID: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    QUANT_K: tl.constexpr, QUANT_V: tl.constexpr,
 ):
     tl.static_assert(BLOCK_G >= G)
     tl.static_assert(BLOCK_N >= 16)
@@ -178,10 +190,14 @@ def _decode_finish_kernel(
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     k_new = tl.load(K_NEW + b * stride_knb + h * stride_knh + offs_d * stride_knd, mask=d_mask, other=0.0)
     v_new = tl.load(V_NEW + b * stride_vnb + h * stride_vnh + offs_dv * stride_vnd, mask=dv_mask, other=0.0)
-    # Round k to the cache dtype first: the reference attends over the cached copy of the new key.
-    k_new = k_new.to(K_CACHE.dtype.element_ty)
-    v_new = v_new.to(V_CACHE.dtype.element_ty)
-    q = q.to(K_CACHE.dtype.element_ty).to(tl.float32)  # rounded as the partial kernel's tl.dot sees it
+    # Round the new token to the cache dtype first: the reference attends over the cached copy of it. An int8
+    # cache stores it later; the block attends to it unquantized (and q stays as the partial kernel saw it).
+    if not QUANT_K:
+        k_new = k_new.to(K_CACHE.dtype.element_ty)
+        q = q.to(K_CACHE.dtype.element_ty)
+    if not QUANT_V:
+        v_new = v_new.to(V_CACHE.dtype.element_ty)
+    q = q.to(tl.float32)
     s_new = tl.sum(q * k_new.to(tl.float32)[None, :], 1) * qk_scale
     if SOFTCAP > 0:
         s_new = soft_cap(s_new, SOFTCAP)
@@ -260,13 +276,17 @@ def decode_config(cap: int, batch_heads: int, dtype: torch.dtype, device: torch.
 
 
 def decode_attend(q, k, v, positions, valid, key_cache, value_cache, pos_cache, *, scale: float,
-                  split_size: int = 0, window: int = 0, softcap: float = 0.0, sink_logits=None):
+                  split_size: int = 0, window: int = 0, softcap: float = 0.0, sink_logits=None,
+                  key_scale=None, value_scale=None):
     """The attention of one new token per row, and the mass every key received: ``reference.attend_decode``.
 
     Args:
         q: [B, Hq, 1, D]; k: [B, Hkv, 1, D]; v: [B, Hkv, 1, Dv] (fp32 / fp16 / bf16).
         positions: [B, 1] int64; valid: [B, 1] bool or None (False: zero output and zero mass).
         key_cache: [B, Hkv, C, D]; value_cache: [B, Hkv, C, Dv]; pos_cache: [B, Hkv, C] int64 (read only).
+        key_scale, value_scale: [B, Hkv, C] fp32 with an int8 key / value cache (kernels/quantized.py: each
+            slot's vector is scale * q), laid out like pos_cache; None for a cache in a float dtype (rolling
+            positions hand the kernel dequantized, rotated keys with int8 values).
         split_size: slots per split, 0 = chosen from the shapes.
         window (0 = none), softcap (0 = none), sink_logits [Hq] or None: the layer's attention kind.
     Returns:
@@ -278,7 +298,12 @@ def decode_attend(q, k, v, positions, valid, key_cache, value_cache, pos_cache, 
     hkv, cap = key_cache.shape[1], key_cache.shape[2]
     dv = value_cache.shape[3]
     group = hq // hkv
-    cfg = decode_config(cap, b * hkv, key_cache.dtype, q.device, split_size)
+    for name, scales in (("key_scale", key_scale), ("value_scale", value_scale)):
+        if scales is not None and scales.stride() != pos_cache.stride():
+            raise ValueError(f"{name} strides {scales.stride()} must equal pos_cache's {pos_cache.stride()}: the "
+                             "kernel reads them at the same offsets")
+    compute_dtype = q.dtype if key_scale is not None else key_cache.dtype  # int8 keys are converted to q's dtype
+    cfg = decode_config(cap, b * hkv, compute_dtype, q.device, split_size)
     splits = cfg["num_splits"]
     assert cfg["SPLIT_N"] % cfg["BLOCK_N"] == 0
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -296,16 +321,18 @@ def decode_attend(q, k, v, positions, valid, key_cache, value_cache, pos_cache, 
     qk_scale = scale * LOG2E
     blocks = dict(HKV=hkv, G=group, D=d, DV=dv, BLOCK_D=triton.next_power_of_2(d),
                   BLOCK_DV=triton.next_power_of_2(dv), HAS_VALID=has_valid, WINDOW=window,
-                  SOFTCAP=softcap * LOG2E if softcap > 0 else 0.0)
+                  SOFTCAP=softcap * LOG2E if softcap > 0 else 0.0, QUANT_K=key_scale is not None,
+                  QUANT_V=value_scale is not None)
+    scales = [pos_cache if x is None else x for x in (key_scale, value_scale)]  # pos_cache: never read
     wrap_triton(_decode_partial_kernel)[(splits, b * hkv)](
-        q, key_cache, value_cache, pos_cache, positions, valid_t,
+        q, key_cache, value_cache, pos_cache, positions, valid_t, *scales,
         logits, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), q.stride(3),
         *key_cache.stride(), *value_cache.stride(), *pos_cache.stride(),
         positions.stride(0), valid_t.stride(0),
         cap, splits, cfg["SPLIT_N"], qk_scale,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg["BLOCK_N"],
-        DOT_PRECISION=dot_precision(key_cache.dtype), num_warps=4, **blocks,
+        DOT_PRECISION=dot_precision(compute_dtype), num_warps=4, **blocks,
     )
     wrap_triton(_decode_finish_kernel)[(b * hkv,)](
         q, k, v, positions, valid_t, sinks_t,

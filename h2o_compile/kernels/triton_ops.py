@@ -32,12 +32,14 @@ from .triton_prefill import prefill_attend
 @triton_op("h2o::triton_decode_attend", mutates_args=())
 def triton_decode_attend(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                          key_cache: Tensor, value_cache: Tensor, pos_cache: Tensor, scale: float, split_size: int = 0,
-                         window: int = 0, softcap: float = 0.0, sink_logits: Optional[Tensor] = None
+                         window: int = 0, softcap: float = 0.0, sink_logits: Optional[Tensor] = None,
+                         key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None
                          ) -> tuple[Tensor, Tensor, Tensor]:
     """(out [B, Hq, 1, Dv], mass over the cache [B, Hkv, C], mass on the new key [B, Hkv, 1]); shapes as
-    ``triton_decode.decode_attend``. split_size 0 = chosen from the shapes."""
+    ``triton_decode.decode_attend``. split_size 0 = chosen from the shapes; the scales with int8 caches."""
     return decode_attend(q, k, v, positions, valid, key_cache, value_cache, pos_cache, scale=scale,
-                         split_size=split_size, window=window, softcap=softcap, sink_logits=sink_logits)
+                         split_size=split_size, window=window, softcap=softcap, sink_logits=sink_logits,
+                         key_scale=key_scale, value_scale=value_scale)
 
 
 @triton_op("h2o::triton_prefill", mutates_args=())
@@ -59,7 +61,8 @@ def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Op
 
     The kernels compute the attention and each key's mass; the scores, the eviction and the writes are the
     reference's torch code (``evict_and_write_`` for a decode step, ``block_scores`` + ``compress`` for a
-    block), so every rule is written once (kernels/rules.py).
+    block), so every rule is written once (kernels/rules.py). A block is ``reference.h2o_attention`` with the
+    Triton prefill as its attention; a quantized state's int8 entries are read by the decode kernel directly.
 
     Args:
         q: [B, Hq, T, D]; k: [B, Hkv, T, D]; v: [B, Hkv, T, Dv]; positions: [B, T] int64;
@@ -72,32 +75,29 @@ def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Op
     Returns:
         out [B, Hq, T, Dv] in q's dtype.
     """
-    key_cache, value_cache, score_cache, pos_cache = state
     b, hkv, t, _ = k.shape
-    rule = reference.parse_rule(policy)
     if valid is None:
         valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
+    if t > 1:
+        out, new_state = reference.h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
+                                                 sinks=sinks, policy=policy, seed=seed, window=window, softcap=softcap,
+                                                 sink_logits=sink_logits, rope=rope, query_from=query_from,
+                                                 attend_fn=_triton_attend_block)
+        reference.copy_state_(state, new_state)
+        return out
     q_seen, k_seen, seen = reference.rolled_inputs(q, k, valid, state, rope)
     _, new_pos, newest = reference._block_inputs(k, positions, valid)
-    if t == 1:
-        out, mass_cache, mass_new = torch.ops.h2o.triton_decode_attend(
-            q_seen, k_seen, v, positions, valid, seen.key_cache, value_cache, pos_cache, scale, split_size, window,
-            softcap, sink_logits)
-        reference.evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent,
-                                   sinks=sinks, policy=policy, seed=seed, window=window, positions=positions,
-                                   query_from=query_from)
-        return out
-    cap = pos_cache.shape[-1]
-    all_keys = torch.cat([key_cache, k.to(key_cache.dtype)], dim=2)                   # [B, Hkv, C+T, D]
-    all_values = torch.cat([value_cache, v.to(value_cache.dtype)], dim=2)
-    all_pos = torch.cat([pos_cache, new_pos], dim=2)                                  # [B, Hkv, C+T]
-    keys_seen = all_keys if rope is None else torch.cat([seen.key_cache, k_seen.to(key_cache.dtype)], dim=2)
-    out, mass = torch.ops.h2o.triton_prefill(q_seen, keys_seen, all_values, all_pos, positions, valid, scale, cap,
-                                             window, softcap, sink_logits,
-                                             reference.query_weights(rule, positions, valid, query_from))
-    all_scores = reference.block_scores(rule, score_cache, mass, valid, query_from)
-    new_state = reference.compress(reference.H2OState(all_keys, all_values, all_scores, all_pos), newest, cap,
-                                   recent=recent, sinks=sinks, policy=policy, seed=seed, window=window)
-    for buf, new in zip(state, new_state):
-        buf.copy_(new)
+    out, mass_cache, mass_new = torch.ops.h2o.triton_decode_attend(
+        q_seen, k_seen, v, positions, valid, seen.key_cache, seen.value_cache, seen.pos_cache, scale, split_size,
+        window, softcap, sink_logits, seen.key_scale, seen.value_scale)
+    reference.evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent,
+                               sinks=sinks, policy=policy, seed=seed, window=window, positions=positions,
+                               query_from=query_from)
     return out
+
+
+def _triton_attend_block(q, keys, values, key_pos, positions, valid, scale, *, new_from, window, softcap,
+                         sink_logits, query_weight, need_mass):
+    """reference.attend_block's contract with the Triton prefill kernel (which always returns the mass)."""
+    return torch.ops.h2o.triton_prefill(q, keys, values, key_pos, positions, valid, scale, new_from, window,
+                                        softcap, sink_logits, query_weight)

@@ -3,7 +3,8 @@
 Before: ``forward(input_ids, position_ids) -> logits`` with the model's mask-building and attention nodes.
 After:  ``forward(input_ids, position_ids, valid, *state) -> logits`` (in place: the state is mutated) or
         ``-> (logits, *new_state)`` (functional, for export), where ``state`` is, per layer i, the four
-        tensors key/value/score/position of kernels/reference.py, named ``layer{i}_key`` ... as placeholders.
+        tensors key/value/score/position of kernels/reference.py, named ``layer{i}_key`` ... as placeholders
+        (six with quantized entries: the key and value scales follow, kernels/quantized.py).
 The mask nodes become dead and are removed. The H2O parameters (recent window, sinks, policy, seed) are
 constants of the op nodes (:func:`set_h2o_params`); :func:`runtime_recent_graph` turns the recent windows, which
 follow from each request's capacity, into inputs (what H2OModel runs). Each layer's
@@ -23,6 +24,7 @@ from .. import ops  # registers torch.ops.h2o
 from .attention_sites import AttentionSite
 
 STATE_FIELDS = ("key", "value", "score", "position")
+SCALE_FIELDS = ("key_scale", "value_scale")  # quantized entries only
 _INPLACE = torch.ops.h2o.attention_.default
 _FUNCTIONAL = torch.ops.h2o.attention.default
 # Argument index of the first H2O parameter (recent) in the op schema:
@@ -42,18 +44,25 @@ class LayerSpec:
     window: int = 0         # sliding window W, 0 = full attention
     softcap: float = 0.0    # logit soft-capping, 0 = none
     sinks: bool = False     # learned attention-sink logits
+    quantized: bool = False  # int8 entries plus one scale per vector (kernels/quantized.py)
 
 
-def state_names(layer: int) -> list[str]:
-    return [f"layer{layer}_{field}" for field in STATE_FIELDS]
+def state_fields(quantized: bool = False) -> tuple[str, ...]:
+    """A layer's state tensors, in graph order."""
+    return STATE_FIELDS + SCALE_FIELDS if quantized else STATE_FIELDS
+
+
+def state_names(layer: int, quantized: bool = False) -> list[str]:
+    return [f"layer{layer}_{field}" for field in state_fields(quantized)]
 
 
 def rewrite_attention(gm: GraphModule, sites: list[AttentionSite], *, functional: bool = False,
                       windows=None, recent: int = 1, sinks: int = 0, policy: str = "h2o",
-                      seed: int = 0) -> list[LayerSpec]:
+                      seed: int = 0, quantized: bool = False) -> list[LayerSpec]:
     """Replace ``sites`` (from find_attention_sites) by H2O ops; returns one LayerSpec per rewritten site.
 
     ``windows``: per site, the sliding window W of its layer (0 = full attention); None = all full.
+    ``quantized``: every layer's state holds int8 entries and their scales (two more placeholders each).
     The number of rewrites is ``len(result)``. The graph is linted and recompiled.
     """
     windows = [0] * len(sites) if windows is None else list(windows)
@@ -73,22 +82,24 @@ def rewrite_attention(gm: GraphModule, sites: list[AttentionSite], *, functional
     for layer, site in enumerate(sites):
         k_val, v_val = site.key.meta["val"], site.value.meta["val"]
         spec = LayerSpec(int(k_val.shape[1]), int(k_val.shape[3]), int(v_val.shape[3]), k_val.dtype,
-                         window=int(windows[layer]), softcap=site.softcap, sinks=site.sink is not None)
+                         window=int(windows[layer]), softcap=site.softcap, sinks=site.sink is not None,
+                         quantized=quantized)
         specs.append(spec)
         state = []
-        for name in state_names(layer):
+        for name in state_names(layer, quantized):
             with graph.inserting_after(last):
                 last = graph.placeholder(name)
             state.append(last)
-        args = (site.query, site.key, site.value, position_ids, valid, *state, site.scale, recent, sinks, policy,
-                seed, spec.window, spec.softcap, site.sink)
+        args = (site.query, site.key, site.value, position_ids, valid, *state[:4], site.scale, recent, sinks,
+                policy, seed, spec.window, spec.softcap, site.sink)
+        scales = dict(zip(("key_scale", "value_scale"), state[4:]))
         with graph.inserting_before(site.node):
             if functional:
-                result = graph.call_function(_FUNCTIONAL, args)
+                result = graph.call_function(_FUNCTIONAL, args, scales)
                 out = graph.call_function(operator.getitem, (result, 0))
-                new_state.extend(graph.call_function(operator.getitem, (result, i)) for i in range(1, 5))
+                new_state.extend(graph.call_function(operator.getitem, (result, i)) for i in range(1, 1 + len(state)))
             else:
-                out = graph.call_function(_INPLACE, args)
+                out = graph.call_function(_INPLACE, args, scales)
         out.meta["val"] = site.node.meta.get("val")
         site.node.replace_all_uses_with(out)
 

@@ -30,7 +30,7 @@ def cmd_eval(args) -> int:
                             gen_prompt_len=args.gen_prompt_len, gen_new_tokens=args.gen_new_tokens,
                             gen_prompts=args.gen_prompts, compile=args.compile != "off",
                             compress_sliding=args.compress_sliding, h2o_sinks=args.h2o_sinks,
-                            h2o_rules=args.h2o_rules)
+                            h2o_rules=args.h2o_rules, kv_dtypes=args.kv_dtypes)
     if args.heldout is not None:
         from ..zoo.data import read_corpus
 
@@ -175,6 +175,9 @@ def add_quality_parsers(sub) -> None:
     ev.add_argument("--h2o-sinks", type=int, default=0, help="also evaluate h2o with this many sink tokens")
     ev.add_argument("--h2o-rules", type=csv_of(str), default=[],
                     help="also evaluate h2o under these score rules: mean, tova, snapkv, decay=G, ... joined by '+'")
+    ev.add_argument("--kv-dtypes", type=csv_of(str), default=["model"],
+                    help="entry dtypes, each configuration once per dtype: model, int8 (model); int8 rows are "
+                         "labelled <policy>+int8")
     ev.add_argument("--out", default="docs/results/eval", help="folder for eval.json / .md / .png")
     ev.set_defaults(func=cmd_eval)
 

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..kernels.quantized import check_kv_dtype
 from ..runtime import optimize
 
 
@@ -33,6 +34,7 @@ class EvalSettings:
     compress_sliding: bool = False  # sliding-window layers under the budget too (H2OConfig.compress_sliding)
     h2o_sinks: int = 0              # > 0: also h2o with that many sink tokens, reported as "h2o+<n>sinks"
     h2o_rules: Sequence[str] = ()   # also h2o under these score rules (task_eval.parse_rule_option), "h2o[<rule>]"
+    kv_dtypes: Sequence[str] = ("model",)  # every configuration once per entry dtype; int8 rows are "<label>+int8"
 
     def __post_init__(self) -> None:
         if not self.budgets or any(not (0 < b <= 1) for b in self.budgets):
@@ -45,6 +47,8 @@ class EvalSettings:
 
         for rule in self.h2o_rules:
             parse_rule_option(rule)  # a ValueError names a bad rule before the sweep starts
+        for kv_dtype in self.kv_dtypes:
+            check_kv_dtype(kv_dtype)
         if self.num_seqs < 0:
             raise ValueError(f"num_seqs={self.num_seqs} must be >= 0 (0: generation agreement only)")
         for name in ("batch_size", "gen_new_tokens", "gen_prompts", "gen_prompt_len"):
@@ -132,9 +136,12 @@ def _configs(settings: EvalSettings):
     if settings.h2o_sinks:
         variants.append((f"h2o+{settings.h2o_sinks}sinks", "h2o", settings.h2o_sinks, {}))
     variants += [(f"h2o[{rule}]", "h2o", 0, parse_rule_option(rule)) for rule in settings.h2o_rules]
-    for label, policy, sinks, rule in variants:
-        for budget in ([1.0] if policy == "full" else settings.budgets):
-            yield label, policy, sinks, budget, rule
+    for kv_dtype in settings.kv_dtypes:
+        for label, policy, sinks, rule in variants:
+            if kv_dtype != "model":
+                label, rule = f"{label}+{kv_dtype}", {**rule, "kv_dtype": kv_dtype}
+            for budget in ([1.0] if policy == "full" else settings.budgets):
+                yield label, policy, sinks, budget, rule
 
 
 def evaluate(model, tokenizer, texts: Sequence[str], settings: Optional[EvalSettings] = None,

@@ -41,6 +41,9 @@ CASES = {
                                                      "positions": "rolling"}),
     "gemma3_rolling_compressed": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                              "positions": "rolling", "prefill": 4}),
+    # Quantized entries: the function runs on dequantized caches, the state between steps is int8 + scales.
+    "gemma3_int8_rolling_chunked": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
+                                               "positions": "rolling", "prefill": 4, "kv_dtype": "int8"}),
     # GPT-OSS (learned sinks) does not export: its MoE calls transformers' grouped_mm op, which has no ONNX
     # translation (eager experts loop over data-dependent expert counts). The ONNX function's sink term is
     # checked in test_onnx_function.py, through the exporter as well.

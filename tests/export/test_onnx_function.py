@@ -202,7 +202,7 @@ class OneOp(torch.nn.Module):
     def forward(self, q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache):
         return torch.ops.h2o.attention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
                                        pos_cache, 0.3, 2, 1, "h2o", 5, self.window, self.softcap,
-                                       self.sink_logits)
+                                       self.sink_logits)[:5]  # the two scale outputs are empty here
 
 
 def test_exporter_translation_carries_the_attention_kind():

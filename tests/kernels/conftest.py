@@ -50,6 +50,10 @@ def assert_same_state(got, want):
     assert torch.equal(got.value_cache, want.value_cache)
     rtol, atol = SCORE_TOL
     torch.testing.assert_close(got.score_cache, want.score_cache, rtol=rtol, atol=atol)
+    assert (got.key_scale is None) == (want.key_scale is None)
+    if want.key_scale is not None:  # quantized: the scales of the same vectors, computed the same way
+        torch.testing.assert_close(got.key_scale, want.key_scale, rtol=1e-6, atol=0)
+        torch.testing.assert_close(got.value_scale, want.value_scale, rtol=1e-6, atol=0)
 
 
 def assert_close_out(got, want):

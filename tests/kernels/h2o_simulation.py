@@ -16,6 +16,10 @@ each valid query adds its probabilities, every score is multiplied by ``decay``;
 in ``counted`` adds nothing (a prompt window); after a ``prompt`` block with ``pool`` k > 1 each of the block's
 keys takes the mean score of the block's keys within k // 2 positions; ``score="mean"`` evicts by
 score / (newest - p + 1).
+
+Quantized entries (``quantized=True``, DESIGN.md section 2 "Quantized entries"): a key or value is rounded to
+s * round(x / s) with s = max|x| / 127 when it is stored; the block that brings it reads the exact vector, every
+later block the stored one.
 """
 
 from __future__ import annotations
@@ -33,19 +37,29 @@ def random_key(pos: int, seed: int) -> int:
     return (x * 48271) % MOD
 
 
+def int8_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """x [D] float64 -> s * clamp(round(x / s), -127, 127), s = max|x| / 127 (1 for a zero vector), element by
+    element with Python floats."""
+    top = max(abs(float(e)) for e in x)
+    s = top / 127 if top > 0 else 1.0
+    return torch.tensor([s * max(-127, min(127, round(float(e) / s))) for e in x], dtype=torch.float64)
+
+
 class SimulatedCache:
     """Kept positions S and their scores A for one (row, KV head); keys/values of every token ever seen."""
 
     def __init__(self, capacity, recent, sinks, policy, seed=0, window=None, softcap=None, sink_logits=None,
-                 inv_freq=None, score="sum", decay=1.0, pool=1):
+                 inv_freq=None, score="sum", decay=1.0, pool=1, quantized=False):
         self.capacity, self.recent, self.sinks, self.policy, self.seed = capacity, recent, sinks, policy, seed
         self.score_rule, self.decay, self.pool = score, decay, pool
         self.window, self.softcap, self.sink_logits = window, softcap, sink_logits
         self.inv_freq = inv_freq
+        self.quantized = quantized
         self.kept: set[int] = set()
         self.score: dict[int, float] = {}
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
+        self.stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (key, value) as the cache holds them
 
     def block(self, positions, q, k, v, scale, counted=None, prompt=False):
         """positions: list of valid new positions (ascending); q: [G, T, D]; k, v: [T, D] (float64).
@@ -55,14 +69,18 @@ class SimulatedCache:
         number.update({p: len(self.kept) + j for j, p in enumerate(positions)})
         for j, p in enumerate(positions):
             self.keys[p], self.values[p] = k[j], v[j]
+            quantize = int8_roundtrip if self.quantized else (lambda x: x)
+            self.stored[p] = (quantize(k[j]), quantize(v[j]))
             self.score[p] = 0.0
         new = set(positions)
         outs = torch.zeros(q.shape[0], len(positions), v.shape[-1], dtype=torch.float64)
         for i, t in enumerate(positions):
             visible = sorted(p for p in self.kept | {p for p in new if p <= t}
                              if self.window is None or t - p < self.window)
-            keys = torch.stack([self.turn(self.keys[p], number[p]) for p in visible])
-            values = torch.stack([self.values[p] for p in visible])
+            # The block's own tokens are read exactly; what an earlier block left is read as stored.
+            keys = torch.stack([self.turn(self.keys[p] if p in new else self.stored[p][0], number[p])
+                                for p in visible])
+            values = torch.stack([self.values[p] if p in new else self.stored[p][1] for p in visible])
             for g in range(q.shape[0]):
                 logits = [float(self.turn(q[g, i], number[t]) @ key) * scale for key in keys]
                 if self.softcap is not None:

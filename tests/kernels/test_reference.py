@@ -27,12 +27,12 @@ def run_op(state, q, k, v, positions, valid, *, inplace, **kw):
     """One block through torch.ops.h2o; returns (out, state)."""
     args = (q.float(), k.float(), v.float(), positions, valid)
     if inplace:
-        out = torch.ops.h2o.attention_(*args, *state, kw["scale"], kw["recent"], kw["sinks"], kw["policy"],
+        out = torch.ops.h2o.attention_(*args, *state[:4], kw["scale"], kw["recent"], kw["sinks"], kw["policy"],
                                        kw["seed"])
         return out, state
-    out, *new = torch.ops.h2o.attention(*args, *state, kw["scale"], kw["recent"], kw["sinks"], kw["policy"],
+    out, *new = torch.ops.h2o.attention(*args, *state[:4], kw["scale"], kw["recent"], kw["sinks"], kw["policy"],
                                         kw["seed"])
-    return out, reference.H2OState(*new)
+    return out, reference.H2OState(*new[:4])  # no scales: not quantized
 
 
 def kept_sets(state):
@@ -88,7 +88,7 @@ def test_kept_are_protected_plus_top_scoring(policy):
         positions = torch.arange(start, start + t).expand(b, t).contiguous()
         # The same block on a cache with room for everything shows the scores before eviction.
         roomy = reference.H2OState(*(torch.cat([x, y], dim=2) for x, y in
-                                     zip(state, reference.empty_state(b, hkv, t, d))))
+                                     zip(state.tensors(), reference.empty_state(b, hkv, t, d).tensors())))
         _, before = run_op(roomy, q, k, v, positions, None, inplace=False, **kw)
         _, state = run_op(state, q, k, v, positions, None, inplace=True, **kw)
         newest = start + t - 1
@@ -121,7 +121,7 @@ def test_budget_covering_sequence_is_causal_sdpa(hq, hkv):
     for t in [12, 1, 1, 3, 1, 1, 1]:
         positions = torch.arange(start, start + t).expand(b, t).contiguous()
         sl = slice(start, start + t)
-        outs.append(torch.ops.h2o.attention_(q[:, :, sl], k[:, :, sl], v[:, :, sl], positions, None, *state,
+        outs.append(torch.ops.h2o.attention_(q[:, :, sl], k[:, :, sl], v[:, :, sl], positions, None, *state[:4],
                                              d ** -0.5, 10, 0, "h2o", 0))
         start += t
     torch.testing.assert_close(torch.cat(outs, dim=2), want, rtol=1e-5, atol=1e-5)

@@ -46,17 +46,19 @@ def _rows(b, t, start, pad=0):
     return positions, valid
 
 
-def _drive(step, rule: EvictionRule, window, b=2, hq=4, hkv=2, d=16, seed=0, check=None):
-    """Feed the schedule through ``step(q, k, v, positions, valid, state, query_from)`` and the simulation;
-    ``check(state, sims, out, want)`` after each block. Returns the last state."""
+def _drive(step, rule: EvictionRule, window, b=2, hq=4, hkv=2, d=16, seed=0, quantized=False):
+    """Feed the schedule through ``step(q, k, v, positions, valid, state, query_from)`` and the simulation,
+    comparing outputs, kept positions and scores after each block (and, quantized, the stored vectors).
+    Returns the last state."""
     gen = torch.Generator().manual_seed(seed)
     group, scale = hq // hkv, d ** -0.5
-    state = reference.empty_state(b, hkv, CAP, d)
-    sims = [[SimulatedCache(CAP, RECENT, SINKS, rule.policy, score=rule.score, decay=rule.decay, pool=rule.pool)
-             for _ in range(hkv)] for _ in range(b)]
+    state = reference.empty_state(b, hkv, CAP, d, quantized=quantized)
+    sims = [[SimulatedCache(CAP, RECENT, SINKS, rule.policy, score=rule.score, decay=rule.decay, pool=rule.pool,
+                            quantized=quantized) for _ in range(hkv)] for _ in range(b)]
     seen = [0] * b
     for i, t in enumerate([PROMPT] + SCHEDULE):
-        q, k, v = (torch.randn(b, h, t, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+        # fp32 values in float64: the simulation quantizes exactly what the kernels are given.
+        q, k, v = (torch.randn(b, h, t, d, generator=gen).double() for h in (hq, hkv, hkv))
         pad = 3 if i == 0 else 0
         positions, valid = _rows(b, t, seen[0], pad)
         if i == 3:
@@ -82,9 +84,22 @@ def _drive(step, rule: EvictionRule, window, b=2, hq=4, hkv=2, d=16, seed=0, che
                 assert sorted(kept) == sorted(sims[row][h].kept), (i, row, h)
                 for p, s in kept.items():
                     assert s == pytest.approx(sims[row][h].score[p], rel=1e-4, abs=1e-5), (i, row, h, p)
+                if quantized:
+                    _check_stored(state, row, h, sims[row][h])
             seen[row] += len(cols)
         seen = [max(seen)] * b  # rows advance together (left padding only shifts the prompt)
     return state
+
+
+def _check_stored(state, row, h, sim):
+    """Each kept slot holds the simulation's stored (quantized) key and value, scale times int8."""
+    for slot, p in enumerate(state.pos_cache[row, h].tolist()):
+        if p >= 0:
+            key, value = sim.stored[p]
+            torch.testing.assert_close(state.key_cache[row, h, slot].double() * float(state.key_scale[row, h, slot]),
+                                       key, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(state.value_cache[row, h, slot].double()
+                                       * float(state.value_scale[row, h, slot]), value, rtol=1e-6, atol=1e-6)
 
 
 def _reference(q, k, v, positions, valid, state, query_from, **kw):
@@ -98,8 +113,8 @@ def _triton(q, k, v, positions, valid, state, query_from, **kw):
 def _fused_decode(q, k, v, positions, valid, state, query_from, **kw):
     """Decode tokens through the fused CPU path (ops.decode_fusable_), blocks through the op."""
     fn = ops.decode_fusable_ if q.shape[2] == 1 else torch.ops.h2o.attention_
-    return fn(q, k, v, positions, valid, *state, kw["scale"], kw["recent"], kw["sinks"], kw["policy"], kw["seed"],
-              query_from=query_from)
+    return fn(q, k, v, positions, valid, *state[:4], kw["scale"], kw["recent"], kw["sinks"], kw["policy"], kw["seed"],
+              query_from=query_from, key_scale=state.key_scale, value_scale=state.value_scale)
 
 
 @pytest.mark.parametrize("rule,window", RULES, ids=RULE_IDS)

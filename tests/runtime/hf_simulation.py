@@ -76,11 +76,11 @@ transformers.AttentionInterface.register("h2o_sim", _h2o_sim_attention)
 
 @torch.no_grad()
 def simulate_logits(model, input_ids, blocks, *, capacity, recent, sinks, policy, seed=0, layer_args=None,
-                    rolling=False, score="sum", decay=1.0, pool=1, prompt_window=None):
+                    rolling=False, score="sum", decay=1.0, pool=1, prompt_window=None, quantized=False):
     """Feed ``input_ids`` [B, S] in blocks of the given sizes; returns logits [B, S, V] under simulated H2O.
 
     ``score``, ``decay``, ``pool``, ``prompt_window``: the score rule (DESIGN.md section 2); the first block is
-    the prompt.
+    the prompt. ``quantized``: kept keys and values are stored int8-rounded (kv_dtype="int8").
 
     ``layer_args(layer, window) -> dict(capacity=, recent=, sinks=)`` gives a layer its own cache size (for
     sliding-window layers); by default every layer gets ``capacity``, ``recent`` and ``sinks``.
@@ -90,7 +90,7 @@ def simulate_logits(model, input_ids, blocks, *, capacity, recent, sinks, policy
 
     def cache_args(layer, window):
         return dict(**(layer_args(layer, window) if layer_args else shared), policy=policy, seed=seed,
-                    score=score, decay=decay, pool=pool)
+                    score=score, decay=decay, pool=pool, quantized=quantized)
 
     _SIMS.update(by_layer={}, cache_args=cache_args, prompt_window=prompt_window,
                  prompt_rule=prompt_window is not None or pool > 1,
