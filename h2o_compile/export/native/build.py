@@ -91,6 +91,14 @@ def api_version_of(path: str | os.PathLike) -> int:
     return int(lib.h2o_native_api_version())
 
 
+def cuda_library_path() -> Path:
+    """The CUDA-provider library, compiled into the cache on first use (see compile_cuda)."""
+    digest = _digest(CUDA_SOURCES, ["nvcc", "sm_90"])
+    out_dir = _cache_root() / "native" / f"ort-{_ort_version()}-cuda-{digest}"
+    target = out_dir / "libh2o_ort_cuda.so"
+    return target if target.is_file() else compile_cuda(out_dir)
+
+
 def compile_cuda(out_dir: str | os.PathLike, *, arch: str = "sm_90", nvcc: str | None = None) -> Path:
     """Compile h2o_op_cuda.cu into ``out_dir/libh2o_ort_cuda.so`` for ``arch`` with nvcc (a compile check
     here; benchmarks/gpu_check.sh loads it into onnxruntime-gpu on a GPU machine). NativeBuildError if nvcc is
