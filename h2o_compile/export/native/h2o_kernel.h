@@ -16,22 +16,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "h2o_shapes.h"
+
 namespace h2o {
 
 using f16 = _Float16;  // IEEE binary16; conversions round to nearest even, as ONNX Cast does
 
 template <typename T> inline float to_f(T x) { return static_cast<float>(x); }
 template <typename T> inline T from_f(float x) { return static_cast<T>(x); }
-
-struct Attrs {  // the node's attributes (onnx_function.py's signature)
-  float scale = 1.f, softcap = 0.f, decay = 1.f;
-  int64_t recent = 1, sinks = 0, policy = 0, seed = 0, window = 0, rolling = 0, score = 0;
-};
-
-struct Dims {
-  int64_t B, Hq, Hkv, G, T, D, Dv, C, S;
-  int64_t rope_rows = 0, rope_len = 0, rope_width = 0;  // B', S', R of the rotary tables (rolling only)
-};
 
 // Borrowed pointers for the whole batch; outputs may alias the cache inputs (in-place state).
 template <typename QT, typename CT> struct Tensors {
