@@ -196,3 +196,25 @@ def test_float16_equals_function(lib, q16, c16):
         evicted += int((state[3] >= 0).sum() + b * hkv * t - (got[4] >= 0).sum())
         state, seen = got[1:], seen + t
     assert evicted > 0
+
+
+def test_compiler_failure_names_the_command(monkeypatch, tmp_path):
+    from h2o_compile.export.native import build
+
+    monkeypatch.setenv("H2O_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(NativeBuildError, match="no-such-compiler"):
+        build.library_path()
+    fake = tmp_path / "bad-cxx"
+    fake.write_text("#!/bin/sh\necho 'fatal: no' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    with pytest.raises(NativeBuildError, match=r"(?s)exit 3\).*bad-cxx.*h2o_op.cc.*fatal: no"):
+        build.library_path()
+
+
+def test_library_is_cached_per_runtime_and_source(lib):
+    from h2o_compile.export.native import build
+
+    assert f"ort-{ort.__version__}-" in lib
+    assert build.library_path() == build.library_path()  # built once

@@ -111,7 +111,10 @@ def compile_cuda(out_dir: str | os.PathLike, *, arch: str = "sm_90", nvcc: str |
     out.parent.mkdir(parents=True, exist_ok=True)
     full = [nvcc, "-std=c++17", "-O3", f"-arch={arch}", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-shared",
             "-o", str(out), str(HERE / "h2o_op_cuda.cu")]
-    result = subprocess.run(full, capture_output=True, text=True)
+    try:
+        result = subprocess.run(full, capture_output=True, text=True)
+    except OSError as exc:
+        raise NativeBuildError(f"could not run nvcc: {shlex.join(full)}\n{exc}") from exc
     if result.returncode != 0:
         raise NativeBuildError(f"nvcc failed (exit {result.returncode}):\n  {shlex.join(full)}\n"
                                f"{result.stderr.strip()}")

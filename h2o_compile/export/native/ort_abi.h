@@ -67,6 +67,8 @@ struct OrtApi {
   void (*ReleaseStatus)(OrtStatus* status);                                                // 93
   void* slots94_98[5];                                                                     // 94..98
   void (*ReleaseTensorTypeAndShapeInfo)(OrtTensorTypeAndShapeInfo* info);                  // 99
+  void* slots100_192[93];                                                                  // 100..192
+  OrtStatus* (*KernelContext_GetGPUComputeStream)(const OrtKernelContext* context, void** out);  // 193
   // Later slots are never touched: the struct may be shorter than the runtime's table.
 };
 
@@ -89,6 +91,7 @@ H2O_SLOT(KernelContext_GetInput, 90);
 H2O_SLOT(KernelContext_GetOutput, 91);
 H2O_SLOT(ReleaseStatus, 93);
 H2O_SLOT(ReleaseTensorTypeAndShapeInfo, 99);
+H2O_SLOT(KernelContext_GetGPUComputeStream, 193);  // the CUDA library only (since API 10, after HasValue)
 
 struct OrtApiBase {
   const OrtApi* (*GetApi)(uint32_t version);
