@@ -19,6 +19,7 @@ from pathlib import Path
 from .onnx_function import DOMAIN, FUNCTION_NAME
 
 NATIVE_CHOICES = ("auto", True, False)
+_MARK = "h2o_compile.native_library"  # session config entry: the library registered on these options
 _log = logging.getLogger(__name__)
 
 
@@ -59,7 +60,15 @@ def choose(native, provider: str, meta: dict, session_options):
         return session_options, False
     if session_options is None:
         session_options = ort.SessionOptions()
-    session_options.register_custom_ops_library(str(path))
+    # Registering twice on one SessionOptions adds the domain twice, and ONNX Runtime then refuses to create
+    # the session ("Domain already set in registry"): a config entry remembers that this one has it.
+    try:
+        registered = session_options.get_session_config_entry(_MARK)
+    except Exception:  # noqa: BLE001 - a missing entry raises (its type varies across versions)
+        registered = ""
+    if registered != str(path):
+        session_options.register_custom_ops_library(str(path))
+        session_options.add_session_config_entry(_MARK, str(path))
     return session_options, True
 
 

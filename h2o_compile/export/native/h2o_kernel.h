@@ -70,7 +70,7 @@ inline void rotate(float* x, const float* cos, const float* sin, int64_t width) 
 
 // Scratch of one worker, reused across pairs and calls.
 struct Scratch {
-  std::vector<float> keys, values, queries, logits, mass, scores, priority;
+  std::vector<float> keys, keys_t, values, queries, logits, mass, scores, priority;
   std::vector<int64_t> pos, order, rank;
   std::vector<uint8_t> keep;
   std::vector<int64_t> source;
@@ -150,6 +150,17 @@ void run_pair(const Attrs& a, const Dims& d, const Tensors<QT, CT>& x, int64_t b
   }
 
   // ---- attention: each valid query over the keys it sees, fp32, softmax with the optional sink --------
+  // With several queries per pair (a prefill block, or a GQA group) the keys are transposed once to
+  // [D, S], so each query's logits are D vectorized passes over contiguous keys instead of S short dot
+  // products; a single query (the usual decode step) reads the keys in place, once.
+  const bool transposed = G * T > 2;
+  if (transposed) {
+    w.keys_t.resize(D * S);
+    for (int64_t j = 0; j < S; ++j) {
+      const float* kr = key_row(j);
+      for (int64_t i = 0; i < D; ++i) w.keys_t[i * S + j] = kr[i];
+    }
+  }
   const float floor_logit = -std::numeric_limits<float>::max();
   const bool h2o_policy = a.policy == 0;
   w.mass.assign(S, 0.f);
@@ -164,12 +175,22 @@ void run_pair(const Attrs& a, const Dims& d, const Tensors<QT, CT>& x, int64_t b
       if (!valid[t]) { for (int64_t i = 0; i < Dv; ++i) out[i] = from_f<QT>(0.f); continue; }
       const float* q = w.queries.data() + (g * T + t) * D;
       float peak = x.sink[h * G + g];
+      if (transposed) {
+        float* l = w.logits.data();
+        std::fill(l, l + S, 0.f);
+        for (int64_t i = 0; i < D; ++i) {
+          const float qi = q[i];
+          const float* kt = w.keys_t.data() + i * S;
+#pragma omp simd
+          for (int64_t j = 0; j < S; ++j) l[j] += qi * kt[j];
+        }
+      }
       for (int64_t j = 0; j < S; ++j) {
         const int64_t kp = w.pos[j];
         const bool seen = kp >= 0 && kp <= qp && (a.window <= 0 || kp > qp - a.window);
         float logit = floor_logit;
         if (seen) {
-          logit = dot(q, key_row(j), D) * a.scale;
+          logit = (transposed ? w.logits[j] : dot(q, key_row(j), D)) * a.scale;
           if (a.softcap > 0.f) logit = std::tanh(logit / a.softcap) * a.softcap;
           peak = std::max(peak, logit);
         }

@@ -19,10 +19,12 @@ std::vector<float> as_floats(const Input& in) {  // small inputs (sink logits, r
   return out;
 }
 
-int worker_count(int64_t pairs) {
-  // H2O_NATIVE_THREADS caps the workers (default 1: ONNX Runtime's own pool already owns the cores).
+int worker_count(const h2o::Dims& d) {
+  // H2O_NATIVE_THREADS sets the workers. Default: one for a decode step (its work, about a millisecond, is
+  // less than what waking threads next to ONNX Runtime's own pool costs), every core for a prefill block.
+  const int64_t pairs = d.B * d.Hkv;
   const char* env = std::getenv("H2O_NATIVE_THREADS");
-  int64_t n = env ? std::atoi(env) : 1;
+  int64_t n = env ? std::atoi(env) : (d.T > 1 ? static_cast<int64_t>(std::thread::hardware_concurrency()) : 1);
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n, pairs)));
 }
 
@@ -42,7 +44,7 @@ void compute(const Kernel& kern, OrtKernelContext* ctx) {
       sin.empty() ? nullptr : sin.data(), static_cast<QT*>(outs[0]), static_cast<CT*>(outs[1]),
       static_cast<CT*>(outs[2]), static_cast<float*>(outs[3]), static_cast<int64_t*>(outs[4])};
   const int64_t pairs = d.B * d.Hkv;
-  const int workers = worker_count(pairs);
+  const int workers = worker_count(d);
   auto run = [&](int wid) {
     static thread_local h2o::Scratch scratch;
     for (int64_t p = wid; p < pairs; p += workers) h2o::run_pair(kern.attrs, d, x, p / d.Hkv, p % d.Hkv, scratch);
