@@ -188,6 +188,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     threads = args.threads or usable_cores()
     torch.set_num_threads(threads)
+    os.environ["H2O_NATIVE_THREADS"] = str(threads)  # the native kernel's prefill workers, like ORT's pool
 
     model = build_model(args)
     rows = []

@@ -218,3 +218,18 @@ def test_library_is_cached_per_runtime_and_source(lib):
 
     assert f"ort-{ort.__version__}-" in lib
     assert build.library_path() == build.library_path()  # built once
+
+
+def test_one_session_options_serves_several_sessions(lib):
+    """Registering the library twice on one SessionOptions makes ONNX Runtime refuse the session ("Domain
+    already set in registry"); native_session.choose registers it once per options object."""
+    from h2o_compile.export import native_session
+
+    options = ort.SessionOptions()
+    model = one_node_model(scale=0.3, recent=2, sinks=0, policy="h2o", seed=0).SerializeToString()
+    for _ in range(2):
+        options, used = native_session.choose(True, "CPUExecutionProvider", {}, options)
+        assert used
+        ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    with pytest.raises(ValueError, match="native="):
+        native_session.choose("yes", "CPUExecutionProvider", {}, None)
