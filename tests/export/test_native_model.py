@@ -96,3 +96,20 @@ def test_quantized_entries_are_declined_for_the_native_op():
     _check_op("function", Quantized())
     with pytest.raises(ValueError, match="op='wasm'"):
         _check_op("wasm", H2OConfig())
+
+
+def test_cli_export_op_native_then_generate_native(model_dir, tmp_path, capsys):
+    from h2o_compile.cli import main
+
+    out = tmp_path / "native"
+    assert main(["export", "--model", str(model_dir), "-o", str(out), "--budget", "8", "--max-seq-len", "20",
+                 "--op", "native"]) == 0
+    capsys.readouterr()
+    prompt = "w3 w9 w27 w81 w50 w12 w1 w8 w64 w30"
+    assert main(["generate", str(out), "--backend", "onnx", "--native", "--prompt", prompt,
+                 "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr().out
+    assert "native op" in printed
+    assert main(["generate", "--model", str(model_dir), "--budget", "8", "--prompt", prompt, "--max-new-tokens", "8",
+                 "--compile", "off"]) == 0
+    assert printed.split("\n")[0] == capsys.readouterr().out.split("\n")[0]
