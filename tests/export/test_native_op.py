@@ -233,3 +233,35 @@ def test_one_session_options_serves_several_sessions(lib):
         ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     with pytest.raises(ValueError, match="native="):
         native_session.choose("yes", "CPUExecutionProvider", {}, None)
+
+
+def test_abi_slots_beyond_the_cpu_library(tmp_path):
+    """The CUDA library calls OrtApi slot 193 (KernelContext_GetGPUComputeStream), which no CPU test reaches:
+    a probe op, run in a subprocess, calls slot 192 as HasValue (1 for a present input) and slot 193 (no
+    stream on the CPU provider), both returning OK, so the count of ort_abi.h's placeholders is right."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = Path(__file__).parent / "native_probe" / "probe.cc"
+    lib = tmp_path / "libprobe.so"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-fvisibility=hidden", "-o", str(lib), str(src)],
+                   check=True)
+    script = f"""
+import numpy as np, onnxruntime as ort
+from onnx import TensorProto, helper
+node = helper.make_node("Probe", ["x"], ["y"], domain="probe")
+graph = helper.make_graph([node], "p", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("probe", 1)])
+o = ort.SessionOptions(); o.register_custom_ops_library({str(lib)!r})
+s = ort.InferenceSession(model.SerializeToString(), o, providers=["CPUExecutionProvider"])
+print(s.run(None, {{"x": np.ones(2, np.float32)}})[0].tolist())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[1.0, 1.0, 1.0]"
