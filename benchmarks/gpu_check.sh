@@ -13,7 +13,7 @@
 # serve_cuda.{json,md,png}, serve.log.
 #
 #   bash benchmarks/gpu_check.sh               # PYTHON=... to pick the interpreter, TEST_TIMEOUT=... seconds
-#   STAGES="decode" bash benchmarks/gpu_check.sh   # a subset of: tests micro decode serve (default all four)
+#   STAGES="decode" bash benchmarks/gpu_check.sh   # a subset of: tests micro decode serve native (default all five)
 #
 # On a lent machine with a 10-minute command limit and ~15 minutes of device time, run two commands:
 #   STAGES="decode" (the whole-model benchmark, DECODE_TIMEOUT=420 s, mostly compiling) and then
@@ -37,7 +37,7 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 2
 fi
 
-STAGES="${STAGES:-tests micro decode serve}"
+STAGES="${STAGES:-tests micro decode serve native}"
 tests=0 bench=0 decode=0 serve=0
 if [[ " $STAGES " == *" tests "* ]]; then
   # Kernel compilation dominates the test time: spread it over processes when pytest-xdist is there.
