@@ -5,13 +5,15 @@
 #   3. benchmarks/decode_cuda.py (whole model: CUDA graphs on/off, largest batch under a memory cap);
 #   4. benchmarks/serve.py on CUDA (the CPU serving stream: H2O's compiled step with CUDA graphs, one graph for
 #      every request; transformers' generate with DynamicCache and StaticCache + compile).
+#   5. (STAGES=native) benchmarks/native_cuda_check.py: the native H2OAttention op built with nvcc for sm_90 and
+#      run in onnxruntime-gpu: op level against the reference, native vs function tokens and decode tokens/s.
 # It installs nothing from the network: it uses the machine's python (with torch + triton) and imports
 # h2o_compile from this checkout through PYTHONPATH. Everything lands under $OUT (default ./out):
 # env.txt, pytest.log, pytest.xml, bench.log, decode_kernel_micro.json, decode_cuda.{json,md,png}, decode_cuda.log,
 # serve_cuda.{json,md,png}, serve.log.
 #
 #   bash benchmarks/gpu_check.sh               # PYTHON=... to pick the interpreter, TEST_TIMEOUT=... seconds
-#   STAGES="decode" bash benchmarks/gpu_check.sh   # a subset of: tests micro decode serve (default all four)
+#   STAGES="decode" bash benchmarks/gpu_check.sh   # a subset of: tests micro decode serve native (default all five)
 #
 # On a lent machine with a 10-minute command limit and ~15 minutes of device time, run two commands:
 #   STAGES="decode" (the whole-model benchmark, DECODE_TIMEOUT=420 s, mostly compiling) and then
@@ -35,7 +37,7 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 2
 fi
 
-STAGES="${STAGES:-tests micro decode serve}"
+STAGES="${STAGES:-tests micro decode serve native}"
 tests=0 bench=0 decode=0 serve=0
 if [[ " $STAGES " == *" tests "* ]]; then
   # Kernel compilation dominates the test time: spread it over processes when pytest-xdist is there.
@@ -61,6 +63,14 @@ if [[ " $STAGES " == *" serve "* ]]; then
   serve=${PIPESTATUS[0]}
 fi
 
+native=0
+if [[ " $STAGES " == *" native "* ]]; then
+  timeout "${NATIVE_TIMEOUT:-300}" "$PY" benchmarks/native_cuda_check.py --out "$OUT/native_cuda" 2>&1 \
+    | tee "$OUT/native_cuda.log"
+  native=${PIPESTATUS[0]}
+fi
+
+echo "gpu_check: native op exit $native"
 echo "gpu_check: pytest exit $tests, kernel benchmark exit $bench, decode benchmark exit $decode," \
   "serve benchmark exit $serve (results in $OUT)"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$decode" -eq 0 ] && [ "$serve" -eq 0 ]
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$decode" -eq 0 ] && [ "$serve" -eq 0 ] && [ "$native" -eq 0 ]

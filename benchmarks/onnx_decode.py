@@ -1,11 +1,15 @@
-"""ONNX Runtime decode throughput: H2O (budget 0.2) vs the same exporter with policy ``full``.
+"""ONNX Runtime decode throughput: H2O (budget 0.2) with the ONNX function and with the native custom op,
+against the same exporter with policy ``full`` and the PyTorch H2OModel (eager, no torch.compile).
 
     python benchmarks/onnx_decode.py                       # the full measurement (2k context, batch 1 and 8)
     python benchmarks/onnx_decode.py --smoke               # tiny sizes, proves the script works (to /tmp)
 
 A random-weight Llama-style model (KV-bound: small hidden size, many cached tokens) is exported twice with
 ``export_onnx``: once with the H2O cache (C = ceil(budget x context)) and once with ``policy="full"``
-(C = context). Each is opened with ``H2OOrtModel`` on the CPU provider; a prompt of ``context - steps``
+(C = context). The H2O file is opened twice with ``H2OOrtModel`` on the CPU provider: ``native=False`` (ONNX
+Runtime inlines the H2OAttention function into standard ops) and ``native=True`` (our C++ kernel, state
+written in place); the full-cache file with the function. The PyTorch row runs ``h2o_compile.optimize(model,
+compile=False)`` with the same budget and prefill chunks. For each, a prompt of ``context - steps``
 tokens is prefilled (timed separately, in chunks so its memory stays bounded) and ``steps`` single-token
 decode steps follow, the last of them at the full context. The first ``--warmup`` decode steps are excluded;
 latencies are medians over the rest. Results go to docs/results/onnx_decode.{json,md} with the command and
@@ -72,15 +76,26 @@ def machine() -> dict:
     return info
 
 
-def measure(model_dir: Path, batch: int, args, threads: int) -> dict:
-    """Prefill (timed alone) then ``steps`` decode steps; returns medians over the steps after warm-up."""
+def open_runner(variant: str, source, args, threads: int):
+    """The model to time: an H2OOrtModel of an exported dir (variants full / function / native) or the
+    PyTorch H2OModel of the transformers model (variant torch)."""
+    if variant == "torch":
+        import h2o_compile
+
+        return h2o_compile.optimize(source, args.budget, prefill=args.prefill_chunk, compile=False)
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
+    return H2OOrtModel.from_pretrained(source, provider="cpu", session_options=options,
+                                       native=variant == "native")
+
+
+def measure(variant: str, source, batch: int, args, threads: int) -> dict:
+    """Prefill (timed alone) then ``steps`` decode steps; returns medians over the steps after warm-up."""
     load_before = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
-    model = H2OOrtModel.from_pretrained(model_dir, provider="cpu", session_options=options)
+    model = open_runner(variant, source, args, threads)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, args.vocab, (batch, args.context - args.steps), generator=gen)
     model.reset(batch, args.context)
@@ -118,18 +133,26 @@ def markdown(result: dict) -> str:
                   f"Context {cfg['context']} tokens: a prompt of {cfg['context'] - cfg['steps']} (prefill, "
                   f"chunks of {cfg['prefill_chunk']}, timed separately) then {cfg['steps']} decode steps; "
                   f"the first {cfg['warmup']} are warm-up, latencies are medians of the rest.")
-    header = ("| policy | batch | C (slots) | KV state MiB | step ms (median) | tokens/s | prefill s "
-              "| speed-up | load avg before / after |")
-    lines = ["# ONNX Runtime decode: H2O vs full cache", "", f"Command: `{result['command']}`", "",
-             machine_line, "", model_line, "", header, "|---|---|---|---|---|---|---|---|---|"]
+    header = ("| runner | policy | batch | C (slots) | KV state MiB | step ms (median) | tokens/s | prefill s "
+              "| vs full | vs function | load avg before / after |")
+    lines = ["# ONNX Runtime decode: H2O (ONNX function, native op) vs full cache vs PyTorch eager", "",
+             f"Command: `{result['command']}`", "", machine_line, "", model_line, "", VARIANT_NOTE, "", header,
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
-        lines.append(f"| {row['policy']} | {row['batch']} | {row['capacity']} | {row['kv_cache_mib']} | "
-                     f"{row['step_ms_median']} | {row['tokens_per_s']} | {row['prefill_s']} | "
-                     f"{row.get('speedup_vs_full', '')} | {row.get('load_avg_before', '?')} / "
-                     f"{row.get('load_avg_after', '?')} |")
+        lines.append(f"| {row['variant']} | {row['policy']} | {row['batch']} | {row['capacity']} | "
+                     f"{row['kv_cache_mib']} | {row['step_ms_median']} | {row['tokens_per_s']} | {row['prefill_s']} | "
+                     f"{row.get('speedup_vs_full', '')} | {row.get('speedup_vs_function', '')} | "
+                     f"{row.get('load_avg_before', '?')} / {row.get('load_avg_after', '?')} |")
     if result.get("note"):
         lines += ["", result["note"]]
     return "\n".join(lines) + "\n"
+
+
+VARIANTS = {"full": "full", "function": "h2o", "native": "h2o", "torch": "h2o"}  # variant -> policy
+VARIANT_NOTE = ("Runners: `full` = ONNX Runtime, policy full (C = context), ONNX function; `function` = ONNX "
+                "Runtime, H2O, the model-local H2OAttention function inlined into standard ops; `native` = ONNX "
+                "Runtime, H2O, the native C++ custom op (export/native), state in place; `torch` = "
+                "h2o_compile.optimize(model, compile=False), PyTorch eager over the reference op.")
 
 
 def main(argv=None) -> int:
@@ -152,6 +175,8 @@ def main(argv=None) -> int:
                     "or onnx_decode_smoke in the temp dir with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, to check the script works")
     ap.add_argument("--note", default="", help="a remark stored with the results (e.g. about the machine)")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="runners to time (default all)")
     args = ap.parse_args(argv)
     if args.smoke:
         for key, value in SMOKE.items():
@@ -163,6 +188,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
     threads = args.threads or usable_cores()
     torch.set_num_threads(threads)
+    os.environ["H2O_NATIVE_THREADS"] = str(threads)  # the native kernel's prefill workers, like ORT's pool
 
     model = build_model(args)
     rows = []
@@ -174,14 +200,18 @@ def main(argv=None) -> int:
                                        max_seq_len=args.context, prefill=args.prefill_chunk)
             print(f"exported {policy} in {time.perf_counter() - start:.1f}s", flush=True)
         for batch in args.batches:
-            by_policy = {}
-            for policy in ("full", "h2o"):
-                row = {"policy": policy, **measure(dirs[policy], batch, args, threads)}
+            by_variant = {}
+            for variant in args.variants:
+                policy = VARIANTS[variant]
+                source = model if variant == "torch" else dirs[policy]
+                row = {"variant": variant, "policy": policy, **measure(variant, source, batch, args, threads)}
                 print(json.dumps(row), flush=True)
-                by_policy[policy] = row
+                by_variant[variant] = row
                 rows.append(row)
-            by_policy["h2o"]["speedup_vs_full"] = round(
-                by_policy["h2o"]["tokens_per_s"] / by_policy["full"]["tokens_per_s"], 2)
+            for variant, row in by_variant.items():
+                for base in ("full", "function"):
+                    if base in by_variant and variant != base and variant != "full":
+                        row[f"speedup_vs_{base}"] = round(row["tokens_per_s"] / by_variant[base]["tokens_per_s"], 2)
 
     keys = ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "context", "steps", "warmup",
             "batches", "budget", "prefill_chunk", "seed")

@@ -61,11 +61,12 @@ def cmd_generate(args) -> int:
     if args.backend == "onnx":
         from .export.ort import H2OOrtModel
 
-        runner = H2OOrtModel.from_pretrained(args.model)
+        runner = H2OOrtModel.from_pretrained(args.model, native=True if args.native else "auto")
         tokenizer = runner.tokenizer
         if tokenizer is None:
             raise SystemExit(f"error: {args.model} holds no tokenizer files")
-        kv_note = f"KV cache (H2O, ONNX Runtime): {human_bytes(runner.kv_cache_bytes())}"
+        op = "native op" if runner.native else "ONNX function"
+        kv_note = f"KV cache (H2O, ONNX Runtime, {op}): {human_bytes(runner.kv_cache_bytes())}"
     else:
         import h2o_compile
 
@@ -182,8 +183,7 @@ def cmd_export(args) -> int:
     out = export_onnx(model, args.output, budget=args.budget, max_seq_len=args.max_seq_len,
                       batch_size=args.batch_size, policy=args.policy, recent_ratio=args.recent_ratio,
                       sink_tokens=args.sink_tokens, prefill=args.prefill, compress_sliding=args.compress_sliding,
-                      kv_dtype=args.kv_dtype,
-                      opset=args.opset, tokenizer=tokenizer)
+                      kv_dtype=args.kv_dtype, opset=args.opset, tokenizer=tokenizer, op=args.op)
     print(f"wrote {out} (model.onnx, h2o_config.json, config + tokenizer)")
     return 0
 
@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     gen.add_argument("--backend", choices=("torch", "onnx"), default="torch")
+    gen.add_argument("--native", action="store_true",
+                     help="with --backend onnx: require the native H2OAttention op (compiled on first use; "
+                          "default: used when it builds)")
     gen.add_argument("--compile", choices=("auto", "on", "off", "reduce-overhead", "max-autotune"), default="auto",
                      help="decode step under torch.compile: auto = on CUDA only; or a torch.compile mode "
                           "(max-autotune on CPU also freezes and prepacks the weights)")
@@ -221,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="prompt + new tokens the export serves (default min(2048, max positions))")
     exp.add_argument("--batch-size", type=int, default=None, help="fix the batch size (default: dynamic)")
     exp.add_argument("--opset", type=int, default=18)
+    exp.add_argument("--op", choices=("function", "native"), default="function",
+                     help="function: H2OAttention with its ONNX function body (runs anywhere; the native op is "
+                          "chosen at load time when available); native: no body, needs the native op")
     exp.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     exp.set_defaults(func=cmd_export)
 

@@ -2,8 +2,9 @@
 
 ``export_onnx(model, out_dir, budget=0.2, max_seq_len=2048)`` writes ``model.onnx`` (one
 ``ai.h2o_compile::H2OAttention`` function node per layer, standard ops inside) plus ``h2o_config.json`` and
-the transformers config / tokenizer files; ``H2OOrtModel.from_pretrained(out_dir)`` runs it. onnx,
-onnxscript and onnxruntime (the ``onnx`` extra) are imported only when these are used.
+the transformers config / tokenizer files; ``H2OOrtModel.from_pretrained(out_dir)`` runs it, with the node
+computed by the native custom op of ``native/`` when it builds (``native="auto"``), else by the function.
+onnx, onnxscript and onnxruntime (the ``onnx`` extra) are imported only when these are used.
 """
 
 from .onnx import export_onnx

@@ -136,7 +136,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
                 batch_size: int | None = None, policy=_UNSET, recent_ratio=_UNSET, sink_tokens=_UNSET,
                 prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, positions=_UNSET, score=_UNSET,
                 score_decay=_UNSET, prompt_window=_UNSET, prompt_pool=_UNSET, kv_dtype=_UNSET, opset: int = 18,
-                tokenizer=None) -> Path:
+                tokenizer=None, op: str = "function") -> Path:
     """Export ``model`` (a transformers causal LM or an :class:`H2OModel`) with its H2O cache to ``out_dir``.
 
     Args:
@@ -152,6 +152,11 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         opset: ONNX opset of the model, 18..23.
         tokenizer: saved next to the model when given; otherwise tokenizer files found in the model's
             ``name_or_path`` directory are copied.
+        op: "function" (default) attaches the H2OAttention function body, so the file runs in any ONNX
+            Runtime, and runs the native custom op instead when H2OOrtModel registers it (a registered kernel
+            wins over a model-local function of the same name, measured in tests/export/test_native_op.py);
+            "native" writes the nodes without the body: a smaller graph that needs the library
+            (export/native) to load.
     Returns:
         ``out_dir`` as a Path. Raises ValueError for bad arguments, before anything is written.
     """
@@ -160,6 +165,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     hf_model, config = _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed,
                                        compress_sliding, positions, score=score, score_decay=score_decay,
                                        prompt_window=prompt_window, prompt_pool=prompt_pool, kv_dtype=kv_dtype)
+    _check_op(op, config)
     if opset not in SUPPORTED_OPSETS:
         raise ValueError(f"opset={opset!r}; allowed: {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
@@ -188,7 +194,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     plan = CachePlan.build(config, layers, limits, max_seq_len=max_seq_len)
     set_h2o_params(graph, recent=plan.recent, sinks=plan.sinks, policy=config.rule.spec, seed=config.seed)
 
-    program = _export_program(graph, plan, batch_size, opset)
+    program = _export_program(graph, plan, batch_size, opset, function_body=op == "function")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {
@@ -198,7 +204,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         "compress_sliding": config.compress_sliding, "positions": config.positions,
         "score": config.score, "score_decay": config.score_decay, "kv_dtype": config.kv_dtype,
         "capacity": capacity, "recent": recent, "max_seq_len": max_seq_len, "batch_size": batch_size,
-        "opset": opset, "dtype": _DTYPES[dtype], "vocab_size": int(hf_model.config.vocab_size),
+        "opset": opset, "op": op, "dtype": _DTYPES[dtype], "vocab_size": int(hf_model.config.vocab_size),
         "num_layers": len(layers),
         "layers": plan.layer_meta(),
         "model_type": getattr(hf_model.config, "model_type", None),
@@ -211,9 +217,19 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     return out_dir
 
 
-def _export_program(graph, plan: CachePlan, batch_size: int | None, opset: int):
+OPS = ("function", "native")
+
+
+def _check_op(op, config: H2OConfig) -> None:
+    """``op`` is one of OPS. Both serve int8 entries: the H2OAttention node itself always sees dequantized
+    caches (_h2o_translation), so the native kernel computes the same contract."""
+    if op not in OPS:
+        raise ValueError(f"op={op!r}; allowed: {', '.join(map(repr, OPS))}")
+
+
+def _export_program(graph, plan: CachePlan, batch_size: int | None, opset: int, function_body: bool = True):
     """torch.onnx.export (dynamo) of the functional graph with ``plan``'s state; returns the ONNXProgram with
-    the function kept."""
+    the function kept (``function_body`` False: the H2OAttention nodes without a body)."""
     max_seq_len = plan.max_seq_len
     example_b = batch_size or 2
     example_t = 3  # not 0/1 (torch.export would specialise) and different from B so the two stay independent
@@ -236,13 +252,14 @@ def _export_program(graph, plan: CachePlan, batch_size: int | None, opset: int):
             input_names=names_in, output_names=names_out, opset_version=opset,
             custom_translation_table={torch.ops.h2o.attention.default: _h2o_translation},
             optimize=False, verbose=False)
-    _attach_h2o_function(program, opset)
+    _attach_h2o_function(program, opset, body=function_body)
     return program
 
 
-def _attach_h2o_function(program, opset: int) -> None:
+def _attach_h2o_function(program, opset: int, body: bool = True) -> None:
     """Optimize an exported ONNXProgram whose h2o ops went through ``_h2o_translation`` and add the body of
-    the H2OAttention function they call (the one function every attention kind shares)."""
+    the H2OAttention function they call (the one function every attention kind shares), unless ``body`` is
+    False (op="native")."""
     import onnxscript.optimizer
     from onnxscript import ir
 
@@ -250,10 +267,12 @@ def _attach_h2o_function(program, opset: int) -> None:
 
     # The exporter's own optimize() inlines every function; fold constants but keep H2OAttention a node.
     onnxscript.optimizer.optimize_ir(program.model, inline=False)
+    program.model.opset_imports[DOMAIN] = 1
+    if not body:
+        return
     function = ir.serde.deserialize_function(H2OAttention.to_function_proto())
     function.opset_imports[""] = opset  # written with opset 18 ops whose semantics 19..23 keep
     program.model.functions[function.identifier()] = function
-    program.model.opset_imports[DOMAIN] = 1
 
 
 @contextlib.contextmanager

@@ -57,7 +57,7 @@ class H2OOrtModel:
     main_input_name = "input_ids"
 
     def __init__(self, session, meta: dict, *, model_dir: Path | None = None, config=None,
-                 generation_config=None, tokenizer=None):
+                 generation_config=None, tokenizer=None, native: bool = False, in_place: bool = False):
         if meta.get("format") != FORMAT:
             raise ValueError(f"not an h2o_compile ONNX export (format={meta.get('format')!r})")
         self.session = session
@@ -66,6 +66,8 @@ class H2OOrtModel:
         self.config = config
         self.generation_config = generation_config
         self.tokenizer = tokenizer
+        self.native = native  # the session runs the native H2OAttention kernel (export/native_session.py)
+        self._in_place = in_place  # past and present state are one buffer set
         self.provider = session.get_providers()[0]
         self._ort_device = "cuda" if self.provider == "CUDAExecutionProvider" else "cpu"
         self._device_id = int(session.get_provider_options().get(self.provider, {}).get("device_id", 0))
@@ -91,21 +93,32 @@ class H2OOrtModel:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, provider: str | None = None, *,
-                        session_options=None, provider_options: dict | None = None) -> H2OOrtModel:
+                        session_options=None, provider_options: dict | None = None,
+                        native="auto") -> H2OOrtModel:
         """Open ``model_dir`` written by export_onnx (or save_pretrained); loads its transformers config,
         generation config and tokenizer (``.tokenizer``, None without tokenizer files) when present.
 
         Args:
             provider: an ONNX Runtime execution provider name (or "cpu" / "cuda"); None = CUDA if available.
             session_options: an ``onnxruntime.SessionOptions``; provider_options: options of that provider.
+            native: run H2OAttention with the native custom op (export/native, compiled on first use):
+                "auto" (default) = on the CPU provider when the library builds, else the ONNX function;
+                True = required (an error if it cannot be built); False = the ONNX function.
         """
         import onnxruntime as ort
+
+        from . import native_session
 
         model_dir = Path(model_dir)
         if not (model_dir / CONFIG_FILE).is_file() or not (model_dir / MODEL_FILE).is_file():
             raise ValueError(f"{model_dir} has no {MODEL_FILE} + {CONFIG_FILE}; create it with export_onnx()")
         meta = json.loads((model_dir / CONFIG_FILE).read_text())
         provider = _choose_provider(provider)
+        session_options, native = native_session.choose(native, provider, meta, session_options)
+        n, quantized = int(meta["num_layers"]), meta.get("kv_dtype", "model") == "int8"
+        # int8 state feeds the dequantizing ops, not the node: never in place (state_in_place says so).
+        in_place = native and native_session.state_in_place(model_dir / MODEL_FILE, state_input_names(n, quantized),
+                                                            state_output_names(n, quantized))
         session = ort.InferenceSession(str(model_dir / MODEL_FILE), sess_options=session_options,
                                        providers=[provider], provider_options=[provider_options or {}])
         config = generation_config = None
@@ -123,7 +136,7 @@ class H2OOrtModel:
 
             tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         return cls(session, meta, model_dir=model_dir, config=config, generation_config=generation_config,
-                   tokenizer=tokenizer)
+                   tokenizer=tokenizer, native=native, in_place=in_place)
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> Path:
         """Write the model, its H2O metadata and the config / tokenizer files to ``save_directory``."""
@@ -168,9 +181,11 @@ class H2OOrtModel:
             # Initial values cross to the device once per reset; afterwards the state stays there.
             init = torch.full(shape, fill, dtype=dtype).numpy()
             state.append(OrtValue.ortvalue_from_numpy(init, self._ort_device, self._device_id))
-            spare.append(OrtValue.ortvalue_from_shape_and_type(list(shape), init.dtype, self._ort_device,
-                                                              self._device_id))
-        self._state, self._spare = state, spare
+            if not self._in_place:
+                spare.append(OrtValue.ortvalue_from_shape_and_type(list(shape), init.dtype, self._ort_device,
+                                                                  self._device_id))
+        # In place (native kernel): present is written over past, one buffer set (export/native_session.py).
+        self._state, self._spare = state, state if self._in_place else spare
         self._io = self.session.io_binding()
         self.seen = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.max_seq_len, self._fed = max_seq_len, 0
@@ -191,7 +206,8 @@ class H2OOrtModel:
 
     def kv_cache_bytes(self, batch_size: int | None = None) -> int:
         """Bytes of the H2O state of all layers (keys, values, scores, positions, int8 scales; one of the two
-        alternating sets) for ``batch_size`` rows: default the batch of the last reset(), or 1 before any."""
+        alternating sets, or the one set of the native in-place path) for ``batch_size`` rows: default the batch
+        of the last reset(), or 1 before any."""
         batch = batch_size or (self.seen.shape[0] if self._state is not None else 1)
         return self.plan.nbytes(batch)
 
