@@ -12,6 +12,7 @@ from h2o_compile import ops
 from h2o_compile.kernels import quantized, reference
 from h2o_compile.kernels.rules import EvictionRule
 
+from .conftest import assert_close_out, assert_same_state, random_block
 from .h2o_simulation import SimulatedCache, int8_roundtrip
 from .test_rolling import tables
 from .test_score_rules import _drive, _fused_decode, _reference
@@ -123,3 +124,26 @@ def test_mismatched_quantized_state_is_named():
     with pytest.raises(ValueError, match="key_scale must be float32"):
         torch.ops.h2o.attention_(q, k, v, torch.zeros(1, 1, dtype=torch.long), None, *state[:4], 0.25, 1, 0, "h2o", 0,
                                  key_scale=state.key_scale[..., :2], value_scale=state.value_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_int8_steps_equal_the_reference_on_its_device(triton_device, dtype):
+    """The check that also runs on a GPU: a prompt, then decode steps (the int8 decode kernel) and a chunk, Triton
+    against the reference op on the same device and state. The int8 entries and their scales must be equal (the
+    write is the shared torch code); outputs within the dtype's tolerance."""
+    b, hq, hkv, d, cap = 2, 8, 2, 32, 24
+    gen = torch.Generator().manual_seed(7)
+    kw = dict(scale=d ** -0.5, recent=6, sinks=1, policy="h2o")
+    want = reference.empty_state(b, hkv, cap, d, dtype=dtype, device=triton_device, quantized=True)
+    q, k, v = random_block(gen, b, hq, hkv, cap + 5, d, dtype, triton_device)
+    positions = torch.arange(cap + 5, device=triton_device).expand(b, -1).contiguous()
+    reference.h2o_attention_(q, k, v, positions, None, want, **kw)
+    got, start = want.clone(), cap + 5
+    for t in [1, 1, 1, 4, 1, 1]:
+        q, k, v = random_block(gen, b, hq, hkv, t, d, dtype, triton_device)
+        positions = torch.arange(start, start + t, device=triton_device).expand(b, -1).contiguous()
+        out_want = reference.h2o_attention_(q, k, v, positions, None, want, **kw)
+        out_got = triton_ops.h2o_attention_(q, k, v, positions, None, got, split_size=16, **kw)
+        assert_close_out(out_got, out_want)
+        assert_same_state(got, want)
+        start += t
