@@ -37,9 +37,23 @@ from pathlib import Path
 
 import torch
 
-PRESSES = ("none", "snapkv", "observed", "streamingllm", "tova", "expected", "knorm")
+PRESSES = ("none", "snapkv", "observed", "streamingllm", "tova", "expected", "knorm", "expected_rope")
 LABELS = {"none": "no press", "snapkv": "SnapKV", "observed": "ObservedAttention", "streamingllm": "StreamingLLM",
-          "tova": "TOVA", "expected": "ExpectedAttention", "knorm": "KNorm"}
+          "tova": "TOVA", "expected": "ExpectedAttention", "knorm": "KNorm",
+          "expected_rope": "ExpectedAttention (RoPE shim)"}
+
+
+class TypedRotary(torch.nn.Module):
+    """Gemma 3's rotary embedding called with a layer type: kvpress 0.5.5's ExpectedAttention calls
+    ``module.rotary_emb(x, position_ids)`` without one, which transformers 5.2's Gemma 3 needs (the
+    ``expected_rope`` press puts this in front of the global layers' rotary_emb; the shim is ours)."""
+
+    def __init__(self, rotary, layer_type: str):
+        super().__init__()
+        self.rotary, self.layer_type = rotary, layer_type
+
+    def forward(self, x, position_ids):
+        return self.rotary(x, position_ids, layer_type=self.layer_type)
 
 
 def make_press(name: str, budget: float):
@@ -51,13 +65,15 @@ def make_press(name: str, budget: float):
             "streamingllm": lambda: kvpress.StreamingLLMPress(compression_ratio=ratio),  # 4 sinks
             "tova": lambda: kvpress.TOVAPress(compression_ratio=ratio),
             "expected": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
+            "expected_rope": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
             "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio)}[name]()
 
 
 @contextmanager
-def pressed(model, press, layers: str):
+def pressed(model, press, layers: str, rope_shim: bool = False):
     """kvpress's own context manager; with ``layers="global"`` it is entered while the model shows only its
-    global layers, so only those get the press's hook (the hooks keep their layer_idx into the full cache)."""
+    global layers, so only those get the press's hook (the hooks keep their layer_idx into the full cache).
+    ``rope_shim``: the hooked layers' rotary_emb (set by kvpress on entry) is called with the layer's type."""
     if press is None:
         yield
         return
@@ -70,6 +86,10 @@ def pressed(model, press, layers: str):
         ctx.__enter__()
     finally:
         inner.layers = all_layers
+    if rope_shim:
+        for i, layer in enumerate(all_layers):
+            if layers == "all" or not layer.self_attn.is_sliding:
+                layer.self_attn.rotary_emb = TypedRotary(inner.rotary_emb, model.config.layer_types[i])
     try:
         yield
     finally:
@@ -117,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument("--every", type=int, default=1, help="take the samples whose index is a multiple of this (1)")
     p.add_argument("--limit", type=int, default=None, help="at most this many samples (after --every)")
     p.add_argument("--budgets", default="0.2", help="comma-separated fractions kept (0.2)")
-    p.add_argument("--presses", default=",".join(PRESSES), help=f"comma-separated, from {', '.join(PRESSES)}")
+    p.add_argument("--presses", default=",".join(PRESSES[:-1]), help=f"comma-separated, from {', '.join(PRESSES)}")
     p.add_argument("--layers", default="global", choices=("global", "all"), help="layers the press hooks (global)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -163,7 +183,7 @@ def main(argv=None) -> int:
         for sample in samples:
             error = None
             try:
-                with pressed(model, press, args.layers):
+                with pressed(model, press, args.layers, rope_shim=name == "expected_rope"):
                     text = answer(model, tokenizer, sample, max_new_tokens(sample.task))
             except Exception as err:  # a press that cannot serve the model is a row of the comparison
                 error = f"{type(err).__name__}: {err}".splitlines()[0][:300]

@@ -82,7 +82,8 @@ def write_task_report(run: TaskRun, out_dir, *, model_name: str, settings: dict,
             if not any(r["task"] == task and r["length"] == length for r in run.rows):
                 continue
             lines += [f"## {task}, {length} tokens", ""]
-            rows = [[label] + [_pct_n(run, task, length, label, None if label == "full cache" else b)
+            full = {label for label, budget in configs if budget is None}  # full-cache rows: any budget
+            rows = [[label] + [_pct_n(run, task, length, label, None if label in full else b)
                                for b in budgets] for label in labels]
             lines += [markdown_table(["configuration"] + [f"budget {b}" for b in budgets], rows), ""]
             if task == "passkey":
