@@ -135,6 +135,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples-file", required=True, help="samples.jsonl written by h2o-compile tasks")
     p.add_argument("--every", type=int, default=1, help="take the samples whose index is a multiple of this (1)")
+    p.add_argument("--tasks", default=None, help="comma-separated tasks of the file to run (default: all)")
     p.add_argument("--limit", type=int, default=None, help="at most this many samples (after --every)")
     p.add_argument("--budgets", default="0.2", help="comma-separated fractions kept (0.2)")
     p.add_argument("--presses", default=",".join(PRESSES[:-1]), help=f"comma-separated, from {', '.join(PRESSES)}")
@@ -149,7 +150,9 @@ def main(argv=None) -> int:
     from h2o_compile.quality.task_report import write_task_report
     from h2o_compile.quality.tasks import max_new_tokens, read_samples, write_samples
 
-    samples = [s for s in read_samples(args.samples_file) if s.index % args.every == 0][:args.limit]
+    tasks = None if args.tasks is None else set(args.tasks.split(","))
+    samples = [s for s in read_samples(args.samples_file)
+               if s.index % args.every == 0 and (tasks is None or s.task in tasks)][:args.limit]
     presses = [x for x in args.presses.split(",") if x]
     bad = [x for x in presses if x not in PRESSES]
     if bad or not samples:
