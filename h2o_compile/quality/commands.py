@@ -1,5 +1,5 @@
 """The quality commands of ``h2o-compile``: eval (budget sweep), eval-merge (one report from split sweeps),
-stream (one long stream through a fixed cache) and tasks (long-context retrieval)."""
+stream (one long stream through a fixed cache), tasks (long-context retrieval) and tasks-merge."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def cmd_tasks(args) -> int:
     from ..zoo.data import clean_text
     from .task_eval import TaskConfig, parse_rule_option, run_tasks
     from .task_report import write_task_report
-    from .tasks import TASKS, make_samples
+    from .tasks import TASKS, make_samples, write_samples
 
     bad = [t for t in args.tasks if t not in TASKS]
     if bad:
@@ -124,12 +124,16 @@ def cmd_tasks(args) -> int:
                          "(the full cache is always run unless --no-full)")
     for rule in args.rules:
         parse_rule_option(rule)  # a bad rule fails before the model loads
+    part = parse_part(args.part, args.samples)
     torch.manual_seed(0)
     model, tokenizer = load_local(args.model)
     text = "\n".join(clean_text(Path(p).read_text(encoding="utf-8")) for p in args.text)
     filler = tokenizer(text, add_special_tokens=False)["input_ids"]
     samples = [s for task in args.tasks for n in args.lengths
-               for s in make_samples(task, tokenizer, filler, n, args.samples, seed=args.seed)]
+               for s in make_samples(task, tokenizer, filler, n, args.samples, seed=args.seed)
+               if part[0] <= s.index < part[1]]
+    # The task file: the exact prompts and answers, for another program (benchmarks/kvpress_tasks.py).
+    write_samples(Path(args.out) / "samples.jsonl", samples, tokenizer, seed=args.seed)
     configs = [] if args.no_full else [TaskConfig("full")]
     for budget in args.budgets:
         for policy in args.policies:
@@ -139,7 +143,7 @@ def cmd_tasks(args) -> int:
     settings = dict(tasks=args.tasks, lengths=args.lengths, samples=args.samples, seed=args.seed,
                     budgets=args.budgets, policies=args.policies, rules=args.rules,
                     compress_sliding=args.compress_sliding, sink_tokens=args.sink_tokens,
-                    recent_ratios=args.recent_ratios,
+                    recent_ratios=args.recent_ratios, part=list(part),
                     filler=[Path(p).name for p in args.text])
 
     def write_partial(run):  # an interrupted run keeps the configurations it finished
@@ -147,6 +151,28 @@ def cmd_tasks(args) -> int:
 
     run = run_tasks(model, tokenizer, samples, configs, on_config=write_partial)
     print_report(write_task_report(run, args.out, model_name=model_name(args.model), settings=settings))
+    return 0
+
+
+def parse_part(text, samples: int) -> tuple[int, int]:
+    """--part 'START:STOP' -> (START, STOP): the sample indices [START, STOP) of the --samples grid this run
+    takes (None: all of them), so a run split in parts measures the samples one whole run would."""
+    if text is None:
+        return (0, samples)
+    start, sep, stop = text.partition(":")
+    try:
+        part = (int(start or 0), int(stop) if stop else samples)
+    except ValueError:
+        part = None
+    if not sep or part is None or not 0 <= part[0] < part[1] <= samples:
+        raise ValueError(f"--part {text!r} must be START:STOP with 0 <= START < STOP <= --samples ({samples})")
+    return part
+
+
+def cmd_tasks_merge(args) -> int:
+    from .task_merge import merge_task_runs
+
+    print_report(merge_task_runs(args.runs, args.out))
     return 0
 
 
@@ -217,6 +243,13 @@ def add_quality_parsers(sub) -> None:
     tk.add_argument("--no-full", action="store_true", help="skip the full-cache reference row")
     tk.add_argument("--text", nargs="+", required=True, help="prose text file(s) the filler is cut from")
     tk.add_argument("--seed", type=int, default=0, help="seed of the generated samples (0)")
+    tk.add_argument("--part", default=None,
+                    help="START:STOP: run only these sample indices of the --samples grid (split runs; tasks-merge)")
     tk.add_argument("--out", default="docs/results/tasks", help="folder for tasks.json / .md / .png")
     tk.set_defaults(func=cmd_tasks)
+
+    tm = sub.add_parser("tasks-merge", help="one report (tables, heat map, plots) from task runs of one measurement")
+    tm.add_argument("out", help="folder for the merged tasks.json / .md / .png / samples.jsonl")
+    tm.add_argument("runs", nargs="+", help="folders written by h2o-compile tasks --out (or kvpress_tasks.py)")
+    tm.set_defaults(func=cmd_tasks_merge)
 

@@ -39,29 +39,51 @@ def _pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def write_task_report(run: TaskRun, out_dir, *, model_name: str, settings: dict) -> dict:
-    """Write tasks.json (every sample's output and score), tasks.md and the plots; returns kind -> Path."""
+def _count(run: TaskRun, task, length, label, budget, depth_band=None) -> int:
+    lo, hi = depth_band if depth_band is not None else (float("-inf"), float("inf"))
+    return sum(1 for r in run.rows if r["task"] == task and r["length"] == length and r["label"] == label
+               and (budget is None or r["budget"] == budget) and lo <= r["depth"] < hi)
+
+
+def _pct_n(run: TaskRun, task, length, label, budget, depth_band=None) -> str:
+    """'80% (50)': the accuracy and the number of samples behind it."""
+    x = _cell(run, task, length, label, budget, depth_band)
+    return "-" if x is None else f"{_pct(x)} ({_count(run, task, length, label, budget, depth_band)})"
+
+
+def write_task_report(run: TaskRun, out_dir, *, model_name: str, settings: dict, sources=()) -> dict:
+    """Write tasks.json (every sample's output and score), tasks.md and the plots; returns kind -> Path.
+    ``sources``: the runs a merged report came from (their folder, command and machine, listed in tasks.md)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "tasks.json", "markdown": out / "tasks.md"}
-    write_json(paths["json"], {"model": model_name, "settings": settings, "command": command_line(),
-                               "machine": machine_description(), "seconds": run.seconds, "rows": run.rows})
+    header = {"model": model_name, "settings": settings, "command": command_line(),
+              "machine": machine_description(), "seconds": run.seconds}
+    if sources:
+        header["sources"] = [{k: src.get(k) for k in ("folder", "command", "machine", "seconds")} for src in sources]
+        header["machine"] = " / ".join(dict.fromkeys(src.get("machine", "?") for src in sources))
+    write_json(paths["json"], {**header, "rows": run.rows})
     tasks = list(dict.fromkeys(r["task"] for r in run.rows))
     lengths = sorted({r["length"] for r in run.rows})
     configs = _configs(run)
     labels = list(dict.fromkeys(label for label, _ in configs))
     budgets = sorted({b for _, b in configs if b is not None})
     lines = [f"# Retrieval tasks: {model_name}", "",
-             f"`{command_line()}`", "", f"Machine: {machine_description()}. Wall time {run.seconds / 60:.1f} min.", "",
-             f"Settings: {json.dumps(settings, sort_keys=True)}. Greedy answers; a sample scores 1 when the output "
-             "contains its answer (vartrack: the share of the chain's variables named). Samples per cell: "
-             f"{settings.get('samples')}.", ""]
+             f"`{header['command']}`", "", f"Machine: {header['machine']}. "
+             f"{'Time (the runs together)' if sources else 'Wall time'} {run.seconds / 60:.1f} min.", ""]
+    if sources:
+        lines += [f"Merged from {len(sources)} runs (same prompts and settings):", ""]
+        lines += [f"- `{src['folder']}`: `{src.get('command')}`" for src in sources] + [""]
+    lines += [f"Settings: {json.dumps(settings, sort_keys=True)}. Greedy answers; a sample scores 1 when the output "
+              "contains its answer (vartrack: the share of the chain's variables named). Each cell: accuracy "
+              "(samples behind it).", ""]
     for task in tasks:
         for length in lengths:
             if not any(r["task"] == task and r["length"] == length for r in run.rows):
                 continue
             lines += [f"## {task}, {length} tokens", ""]
-            rows = [[label] + [_pct(_cell(run, task, length, label, None if label == "full cache" else b))
+            full = {label for label, budget in configs if budget is None}  # full-cache rows: any budget
+            rows = [[label] + [_pct_n(run, task, length, label, None if label in full else b)
                                for b in budgets] for label in labels]
             lines += [markdown_table(["configuration"] + [f"budget {b}" for b in budgets], rows), ""]
             if task == "passkey":
@@ -69,7 +91,7 @@ def write_task_report(run: TaskRun, out_dir, *, model_name: str, settings: dict)
                 rows = []
                 for label, budget in configs:
                     name = label if budget is None else f"{label} @ {budget}"
-                    rows.append([name] + [_pct(_cell(run, task, length, label, budget, band))
+                    rows.append([name] + [_pct_n(run, task, length, label, budget, band)
                                           for band in DEPTH_BANDS])
                 lines += [markdown_table(["configuration"] + [_band_name(b) for b in DEPTH_BANDS], rows), ""]
     paths["markdown"].write_text("\n".join(lines) + "\n")

@@ -13,9 +13,11 @@ long prose text at a seeded offset, so a sample has exactly the requested length
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
-from typing import Sequence
+from pathlib import Path
+from typing import Optional, Sequence
 
 TASKS = ("passkey", "multikey", "vartrack")
 _WORDS = ("apple", "river", "candle", "forest", "violin", "harbor", "meadow", "lantern", "pepper", "glacier",
@@ -128,4 +130,39 @@ def make_samples(task: str, tokenizer, filler: Sequence[int], length: int, count
                             f"Answer: According to the chain of variable assignments in the text above, 5 "
                             f"variables are assigned the value {value}, they are:")
             samples.append(TaskSample(task, length, depth, ids, names, i))
+    return samples
+
+
+def write_samples(path, samples: Sequence[TaskSample], tokenizer=None, *, seed: Optional[int] = None) -> Path:
+    """The task file: one JSON line per sample (task, length, depth, index, seed, answers, max_new_tokens,
+    prompt_ids, the prompt text when ``tokenizer`` is given, meta), so another program can run the very same
+    prompts and score them the same way (``read_samples``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for s in samples:
+            line = dict(task=s.task, length=s.length, depth=s.depth, index=s.index, seed=seed, answers=s.answers,
+                        max_new_tokens=max_new_tokens(s.task), prompt_ids=list(s.prompt_ids), meta=s.meta)
+            if tokenizer is not None:
+                line["prompt"] = tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
+            f.write(json.dumps(line) + "\n")
+    return path
+
+
+def read_samples(path) -> list[TaskSample]:
+    """The samples of a task file written by ``write_samples`` (a ValueError names a line that is not one)."""
+    samples = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            sample = TaskSample(d["task"], int(d["length"]), float(d["depth"]), [int(i) for i in d["prompt_ids"]],
+                                [str(a) for a in d["answers"]], int(d["index"]), d.get("meta") or {})
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(f"{path}:{n}: not a task sample ({err})") from None
+        if len(sample.prompt_ids) != sample.length or sample.task not in TASKS:
+            raise ValueError(f"{path}:{n}: task {sample.task!r} with {len(sample.prompt_ids)} prompt ids for "
+                             f"length {sample.length}")
+        samples.append(sample)
     return samples
