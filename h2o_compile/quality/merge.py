@@ -36,21 +36,25 @@ def load_run(folder) -> dict:
     return run
 
 
+def check_same_measurement(runs: Sequence[dict], keys: Sequence[str], setting_keys: Sequence[str]) -> None:
+    """ValueError naming the first run whose ``keys`` (top level) or ``setting_keys`` (under "settings") differ
+    from the first run's: only runs of the same measurement merge (eval-merge and tasks-merge)."""
+    first = runs[0]
+    for run in runs[1:]:
+        for where, names in ((lambda r: r, keys), (lambda r: r["settings"], setting_keys)):
+            for key in names:
+                if where(run).get(key) != where(first).get(key):
+                    raise ValueError(f"{run['folder']} has {key}={where(run).get(key)!r}, {first['folder']} "
+                                     f"{where(first).get(key)!r}: only runs of the same measurement merge")
+
+
 def merge_runs(runs: Sequence[dict]) -> EvalResult:
     """The union of the runs' configurations as one EvalResult (settings: the first run's, with every budget
     and policy). Raises ValueError when the runs measured different things or disagree on a configuration."""
     if not runs:
         raise ValueError("nothing to merge: give at least one run folder")
     first = runs[0]
-    for run in runs[1:]:
-        for key in ("model", "texts"):
-            if run.get(key) != first.get(key):
-                raise ValueError(f"{run['folder']} has {key}={run.get(key)!r}, {first['folder']} "
-                                 f"{first.get(key)!r}: only runs of the same measurement merge")
-        for key in SAME_SETTINGS:
-            if run["settings"].get(key) != first["settings"].get(key):
-                raise ValueError(f"{run['folder']} has {key}={run['settings'].get(key)!r}, {first['folder']} "
-                                 f"{first['settings'].get(key)!r}: only runs of the same measurement merge")
+    check_same_measurement(runs, ("model", "texts"), SAME_SETTINGS)
     sinks = {run["settings"].get("h2o_sinks", 0) for run in runs} - {0}
     if len(sinks) > 1:
         raise ValueError(f"the runs evaluate h2o with {sorted(sinks)} sink tokens: merge runs of one h2o_sinks")

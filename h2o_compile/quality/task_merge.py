@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from .merge import check_same_measurement
 from .task_eval import TaskRun
 from .task_report import write_task_report
 from .tasks import read_samples, write_samples
@@ -45,14 +46,7 @@ def merge_task_rows(runs: Sequence[dict]) -> tuple[TaskRun, dict, list]:
     if not runs:
         raise ValueError("nothing to merge: give at least one run folder")
     first = runs[0]
-    for run in runs[1:]:
-        if run.get("model") != first.get("model"):
-            raise ValueError(f"{run['folder']} has model={run.get('model')!r}, {first['folder']} "
-                             f"{first.get('model')!r}: only runs of the same measurement merge")
-        for key in SAME_SETTINGS:
-            if run["settings"].get(key) != first["settings"].get(key):
-                raise ValueError(f"{run['folder']} has {key}={run['settings'].get(key)!r}, {first['folder']} "
-                                 f"{first['settings'].get(key)!r}: only runs of the same measurement merge")
+    check_same_measurement(runs, ("model",), SAME_SETTINGS)
     samples, sample_owner = {}, {}
     for run in runs:
         for s in run["samples"]:
