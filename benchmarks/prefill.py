@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
+from h2o_compile.quality.task_eval import parse_rule_option  # noqa: E402
 from h2o_compile.reporting import command_line, machine_description, markdown_table, write_json  # noqa: E402
 
 
@@ -47,14 +48,17 @@ def contenders(model, policies):
         model(input_ids=prompt, use_cache=True, logits_to_keep=1)
 
     runs = {"transformers-sdpa": hf}
-    for policy in policies:
-        opt = h2o_compile.optimize(model, budget=0.2, policy=policy, compile=False)
+    for spec in policies:
+        # "h2o+window=64+pool=9": the policy, then a score rule as `h2o-compile tasks --rules` reads it
+        policy, _, rule = spec.partition("+")
+        options = parse_rule_option(rule) if rule else {}
+        opt = h2o_compile.optimize(model, budget=0.2, policy=policy, compile=False, **options)
 
         def h2o(prompt, opt=opt):
             opt.reset(prompt.shape[0], prompt.shape[1] + 16)
             opt.step(prompt, logits_to_keep=1)
 
-        runs[f"h2o-{policy}@0.2"] = h2o
+        runs[f"h2o-{spec}@0.2"] = h2o
     return runs
 
 
@@ -96,7 +100,7 @@ from benchmarks.prefill import load, contenders
 model = load({model_name!r}); model.config._attn_implementation = 'sdpa'
 policies = [{contender.split('-', 1)[1].split('@')[0]!r}] if {contender!r} != 'transformers-sdpa' else []
 run = contenders(model, policies)[{contender!r}]
-prompt = torch.randint(1, 1000, ({batch}, {length}))
+prompt = torch.randint(1, model.config.get_text_config().vocab_size, ({batch}, {length}))
 with torch.no_grad():
     run(prompt[:, :64])
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -112,7 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="kvbound", choices=("kvbound", "gemma3-270m", "smoke"))
     p.add_argument("--lengths", default="1024,4096")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--policies", default="h2o,sink", help="H2O policies to time (h2o reads the mass, sink not)")
+    p.add_argument("--policies", default="h2o,sink", help="H2O policies to time (h2o reads the mass, sink not), a policy "
+                   "may carry a score rule: h2o+window=64+pool=9")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--memory", action="store_true", help="also the peak RSS growth of one prefill per contender")
     p.add_argument("--smoke", action="store_true")

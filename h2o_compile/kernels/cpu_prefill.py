@@ -90,31 +90,59 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
         with_sink = torch.logaddexp(lse, sink)
         out = out * torch.exp(lse - with_sink).nan_to_num(0.0).to(dtype)[..., None]
         lse = with_sink
-    mass = torch.zeros(b * hkv, s_all, dtype=torch.float32)
     if need_mass:
-        weight = None if query_weight is None else query_weight.float()[:, None, :].expand(b, hkv, t).reshape(
-            b * hkv, t)
-        held = (kpos_all[..., :new_from] >= 0).float() if causal else None          # [B*Hkv, 1, 1, C]
-        for t0 in range(0, t, chunk):
-            t1 = min(t, t0 + chunk)
-            s = s_all if new_from is None else min(s_all, new_from + t1)
-            # One [G*tc, D] x [D, s] product per KV head (a broadcast over G would copy the keys G times).
-            rows = qf[:, :, t0:t1].reshape(b * hkv, group * (t1 - t0), d).float()
-            logits = torch.bmm(rows, kf[:, 0, :s].float().transpose(1, 2)).view(b * hkv, group, t1 - t0, s)
-            probs = logits.mul_(scale).sub_(lse[:, :, t0:t1, None].clamp(min=-3e38)).exp_()
-            if causal:
-                # Without padding or window only two things are hidden: empty cache slots, and the chunk's own
-                # future (a triangle of its last tc block keys); no [tc, s] mask needs building.
-                probs[..., :new_from].mul_(held)
-                future = torch.ones(t1 - t0, t1 - t0, dtype=torch.bool).triu_(1)
-                probs[..., new_from + t0:new_from + t1].masked_fill_(future, 0.0)
-            else:
-                probs.masked_fill_(~visible_keys(t0, t1)[0], 0.0)
-            if weight is None:
-                mass[:, :s] += probs.sum(dim=(1, 2))
-            else:
-                mass[:, :s] += (probs.sum(dim=1) * weight[:, t0:t1, None]).sum(dim=1)
+        mass = _key_mass(qf, kf, lse, kpos_all, query_weight, scale, chunk, new_from, causal, visible_keys)
+    else:
+        mass = torch.zeros(b * hkv, s_all, dtype=torch.float32)
     return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
+
+
+def _key_mass(qf: Tensor, kf: Tensor, lse: Tensor, kpos_all: Tensor, query_weight: Optional[Tensor], scale: float,
+              chunk: int, new_from: Optional[int], causal: bool, visible_keys) -> Tensor:
+    """mass[p] = sum_t w_t sum_g exp(q_t . k_p x scale - lse_t): [N, S] fp32 (N = B x Hkv), chunk by chunk.
+
+    qf: [N, G, T, D]; kf: [N, 1, S, D]; lse: [N, G, T] fp32 (with any sink folded in); kpos_all: [N, 1, 1, S];
+    query_weight: [B, T] or None. ``visible_keys(t0, t1)`` gives the [N, 1, tc, s] mask of the general path.
+    """
+    n, group, t, d = qf.shape
+    s_all = kf.shape[2]
+    mass = torch.zeros(n, 1, s_all, dtype=torch.float32)
+    first = 0
+    weight = None
+    if query_weight is not None:
+        # Queries of zero weight add exactly nothing: with a prompt window (or a steep decay) the pass starts
+        # at the first query that counts, which is most of the prefill's saving. (A host read: eager prefill.)
+        counts = (query_weight != 0).any(dim=0)
+        first = int(counts.float().argmax()) if bool(counts.any()) else t
+        weight = query_weight.float()[:, None, :].expand(-1, n // query_weight.shape[0], t).reshape(n, 1, t)
+    # The keys with a column of ones, the queries with a column of -lse: one product gives q.k x scale - lse
+    # (a broadcast add would cost a pass over the logits). One fp32 copy of the keys, [N, D + 1, S].
+    keys_t = torch.cat([kf[:, 0].float(), torch.ones(n, s_all, 1)], dim=2).transpose(1, 2)
+    for t0 in range(first, t, chunk):
+        t1 = min(t, t0 + chunk)
+        s = s_all if new_from is None else min(s_all, new_from + t1)
+        tc = t1 - t0
+        # One [G*tc, D] x [D, s] product per KV head (a broadcast over G would copy the keys G times), with the
+        # scale folded into the queries and -lse added by the product itself: logits are written once, then
+        # exponentiated in place.
+        neg_lse = lse[:, :, t0:t1, None].clamp(min=-3e38).neg()
+        rows = torch.cat([qf[:, :, t0:t1].float() * scale, neg_lse], dim=3).reshape(n, group * tc, d + 1)
+        probs = torch.bmm(rows, keys_t[:, :, :s]).exp_()                            # [N, G*tc, s]
+        if causal:
+            # Without padding or window the only per-query mask is the chunk's own future (a triangle of its
+            # last tc keys); empty cache slots are per key and dropped after the sum.
+            future = torch.ones(tc, tc, dtype=torch.bool).triu_(1)
+            probs.view(n, group, tc, s)[..., new_from + t0:new_from + t1].masked_fill_(future, 0.0)
+        else:
+            probs.view(n, group, tc, s).masked_fill_(~visible_keys(t0, t1)[0], 0.0)
+        if weight is None:
+            mass[..., :s] += probs.sum(dim=1, keepdim=True)
+        else:
+            mass[..., :s] += torch.bmm(weight[..., t0:t1].repeat(1, 1, group), probs)
+    if causal:  # an empty slot's key may have any logit (even an overflow): where, not a product
+        held = kpos_all[:, 0, 0, :new_from] >= 0                                     # [N, C]
+        mass[:, 0, :new_from] = torch.where(held, mass[:, 0, :new_from], 0.0)
+    return mass[:, 0]
 
 
 def _causal_and_cache(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tensor, cap: int, scale: float

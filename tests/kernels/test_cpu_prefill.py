@@ -35,7 +35,8 @@ def _inputs(shape, dtype, seed=0, pad=True):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_hq{}_hkv{}_t{}_c{}_d{}".format(*s))
-@pytest.mark.parametrize("kind", ["plain", "no padding", "window", "sinks", "weights", "sinks no padding"])
+@pytest.mark.parametrize("kind", ["plain", "no padding", "window", "sinks", "weights", "sinks no padding",
+                                  "prompt window", "prompt window no padding"])
 def test_fused_prefill_equals_the_spec(shape, kind):
     """Padding or a window take the masked kernel in query chunks; a block without either the causal kernel
     plus one masked call over the cache (an empty cache when C = 0)."""
@@ -45,6 +46,9 @@ def test_fused_prefill_equals_the_spec(shape, kind):
     weight = None
     if kind == "weights":
         weight = torch.rand(positions.shape, generator=torch.Generator().manual_seed(1))
+    if "prompt window" in kind:  # only the last 5 queries count: the mass pass starts at the first of them
+        weight = torch.zeros(positions.shape)
+        weight[:, -5:] = 1.0
     cap = shape[4]
     out, mass = cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, 0.3, new_from=cap,
                                         query_weight=weight, **kw)
