@@ -219,9 +219,16 @@ def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: O
     state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
     # Rolling positions: the rotation (a gather and a few elementwise ops) is plain torch ops too.
     q_seen, k_seen, seen = reference.rolled_inputs(q, k, valid, state, as_tables(rope_cos, rope_sin))
-    out, mass_cache, mass_new = torch.ops.h2o.attend_decode(q_seen, k_seen, v, valid, seen.key_cache, value_cache,
-                                                            pos_cache, scale, new_pos, window, softcap, sink_logits,
-                                                            seen.key_scale, value_scale)
+    if state.quantized:
+        # int8 entries: the attention in the open too, so the compiler reads the int8 bytes inside its own
+        # reduction loops (a BLAS product would need an fp32 copy of every slot chunk first).
+        out, mass_cache, mass_new = reference.attend_decode(q_seen, k_seen, v, valid, seen, scale, new_pos,
+                                                            window=window, softcap=softcap,
+                                                            sink_logits=sink_logits, fused_dequant=True)
+    else:
+        out, mass_cache, mass_new = torch.ops.h2o.attend_decode(q_seen, k_seen, v, valid, seen.key_cache,
+                                                                value_cache, pos_cache, scale, new_pos, window,
+                                                                softcap, sink_logits)
     reference.evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent,
                                sinks=sinks, policy=policy, seed=seed, window=window, positions=positions,
                                query_from=query_from)

@@ -345,7 +345,8 @@ def compress(entries: H2OState, newest: Tensor, cap: int, *, recent: int, sinks:
 
 def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OState, scale: float,
                   new_pos: Optional[Tensor] = None, *, window: int = 0, softcap: float = 0.0,
-                  sink_logits: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                  sink_logits: Optional[Tensor] = None, fused_dequant: bool = False
+                  ) -> tuple[Tensor, Tensor, Tensor]:
     """One query token per row against the C cached keys and its own key, without concatenating the cache.
 
     The cache is read once (keys for the logits, values for the output); only the [.., C + 1] logits are
@@ -357,6 +358,9 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
         state: its scales given, the int8 keys / values are read in slot chunks and never copied whole.
         new_pos: [B, Hkv, 1] int64, the new token's position (needed only with a window).
         window, softcap, sink_logits [Hq]: the layer's attention kind (module docstring).
+        fused_dequant: quantized entries as products and sums over the int8 tensors themselves, for a compiler
+            to fuse the int8 -> fp32 conversion into its reduction loops (the compiled CPU decode); eager, it
+            would materialise [B, Hkv, G, C, D]. The chunked matrix products otherwise.
     Returns:
         out [B, Hq, 1, Dv] (q's dtype), mass over the cache [B, Hkv, C] and on the new key [B, Hkv, 1] (fp32).
     """
@@ -364,7 +368,7 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
     b, hq, _, d = q.shape
     hkv = key_cache.shape[1]
     qg = q.reshape(b, hkv, hq // hkv, d).float()                                 # [B, Hkv, G, D]
-    cached = capped_logits(_cache_logits(qg, key_cache, state.key_scale).mul_(scale), softcap)
+    cached = capped_logits(_cache_logits(qg, key_cache, state.key_scale, fused_dequant) * scale, softcap)
     hidden = pos_cache < 0                                                       # [B, Hkv, C]
     if window > 0:
         hidden = hidden | (pos_cache <= new_pos - window)
@@ -372,7 +376,7 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
     own = capped_logits((qg * k.float()).sum(-1, keepdim=True) * scale, softcap)  # [B, Hkv, G, 1], always visible
     sink = None if sink_logits is None else sink_logits.float().view(1, hkv, hq // hkv, 1)
     probs = softmax_with_sink(torch.cat([cached, own], dim=-1), sink)            # [B, Hkv, G, C+1]
-    out = (_cache_values(probs[..., :-1], value_cache, state.value_scale)
+    out = (_cache_values(probs[..., :-1], value_cache, state.value_scale, fused_dequant)
            + probs[..., -1:] * v.float().reshape(b, hkv, 1, -1))
     # A padding token (valid False) attends nowhere: zero output, zero mass (x 1 leaves the others exact).
     keep = valid.view(b, 1, 1).float()
@@ -384,23 +388,28 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
 _DEQUANT_SLOTS = 256  # int8 slots converted to fp32 at a time by the decode step: the copy stays in cache
 
 
-def _cache_logits(qg: Tensor, key_cache: Tensor, key_scale: Optional[Tensor]) -> Tensor:
+def _cache_logits(qg: Tensor, key_cache: Tensor, key_scale: Optional[Tensor], fused: bool = False) -> Tensor:
     """q . k for every cached key: qg [B, Hkv, G, D] fp32 -> [B, Hkv, G, C] fp32. Quantized keys are read
-    ``_DEQUANT_SLOTS`` at a time, their scale applied to the dot products (q . (s k) = s (q . k))."""
+    ``_DEQUANT_SLOTS`` at a time, their scale applied to the dot products (q . (s k) = s (q . k)); ``fused``:
+    one product-and-sum over the int8 keys (attend_decode's fused_dequant)."""
     if key_scale is None:
         return torch.matmul(qg, key_cache.float().transpose(2, 3))
+    if fused:
+        return (qg[:, :, :, None, :] * key_cache[:, :, None].float()).sum(-1) * key_scale[:, :, None, :]
     cap = key_cache.shape[2]
     parts = [torch.matmul(qg, key_cache[:, :, c0:c0 + _DEQUANT_SLOTS].float().transpose(2, 3))
              * key_scale[:, :, None, c0:c0 + _DEQUANT_SLOTS] for c0 in range(0, cap, _DEQUANT_SLOTS)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
-def _cache_values(probs: Tensor, value_cache: Tensor, value_scale: Optional[Tensor]) -> Tensor:
+def _cache_values(probs: Tensor, value_cache: Tensor, value_scale: Optional[Tensor], fused: bool = False) -> Tensor:
     """sum_c probs[c] v[c]: probs [B, Hkv, G, C] fp32 -> [B, Hkv, G, Dv] fp32; a quantized value's scale
     multiplies its probability instead of the vector, chunk by chunk as in :func:`_cache_logits`."""
     if value_scale is None:
         return torch.matmul(probs, value_cache.float())
     weighted = probs * value_scale[:, :, None, :]
+    if fused:
+        return (weighted[..., None] * value_cache[:, :, None].float()).sum(-2)
     out = None
     for c0 in range(0, value_cache.shape[2], _DEQUANT_SLOTS):
         part = torch.matmul(weighted[..., c0:c0 + _DEQUANT_SLOTS], value_cache[:, :, c0:c0 + _DEQUANT_SLOTS].float())

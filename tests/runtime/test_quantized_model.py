@@ -64,6 +64,29 @@ def test_compiled_cpu_decode_with_int8_entries_equals_the_simulation():
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
+def test_compiled_int8_decode_on_windows_softcap_and_sinks_equals_the_simulation(arch):
+    """The compiled CPU step computes int8 attention in the open (ops.decode_fusable_): sliding windows, Gemma
+    2's soft-cap and GPT-OSS's learned sinks each change that code, so each is checked compiled."""
+    model = build(arch, seed=2)
+    length = 2 * WINDOW + 4
+    ids = torch.randint(1, VOCAB, (2, length), generator=torch.Generator().manual_seed(4))
+    budget = 6
+    opt = h2o_compile.optimize(model, budget=budget, sink_tokens=1, kv_dtype="int8", compress_sliding=True,
+                               compile=True)
+
+    def layer_args(layer, window):  # DESIGN.md section 2, written out independently of H2OConfig
+        slots = budget if window is None else min(budget, window)
+        return dict(capacity=slots, recent=max(1, round(slots * 0.5)), sinks=1)
+
+    blocks = [9] + [1] * (length - 9)
+    with strict_compile():
+        ours = _run_blocks(opt, ids, blocks)
+    want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
+                           layer_args=layer_args, quantized=True)
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+
+
 def test_full_budget_int8_stays_close_to_the_model():
     """Budget 1.0 evicts nothing, so only the int8 rounding separates the logits from transformers' own. The
     prompt block reads its own keys unquantized: its logits are the model's. Stated tolerances for the decode
