@@ -111,6 +111,7 @@ def cmd_tasks(args) -> int:
     import torch
 
     from ..zoo.data import clean_text
+    from ..kernels.quantized import check_kv_dtype
     from .task_eval import TaskConfig, parse_rule_option, run_tasks
     from .task_report import write_task_report
     from .tasks import TASKS, make_samples, write_samples
@@ -124,6 +125,8 @@ def cmd_tasks(args) -> int:
                          "(the full cache is always run unless --no-full)")
     for rule in args.rules:
         parse_rule_option(rule)  # a bad rule fails before the model loads
+    for kv_dtype in args.kv_dtypes:
+        check_kv_dtype(kv_dtype)
     part = parse_part(args.part, args.samples)
     torch.manual_seed(0)
     model, tokenizer = load_local(args.model)
@@ -135,15 +138,17 @@ def cmd_tasks(args) -> int:
     # The task file: the exact prompts and answers, for another program (benchmarks/kvpress_tasks.py).
     write_samples(Path(args.out) / "samples.jsonl", samples, tokenizer, seed=args.seed)
     configs = [] if args.no_full else [TaskConfig("full")]
-    for budget in args.budgets:
-        for policy in args.policies:
-            for rule in (args.rules if policy == "h2o" else ["sum"]):
-                for ratio in args.recent_ratios:
-                    configs.append(TaskConfig(policy, budget, rule, args.compress_sliding, args.sink_tokens, ratio))
+    for kv_dtype in args.kv_dtypes:
+        for budget in args.budgets:
+            for policy in args.policies:
+                for rule in (args.rules if policy == "h2o" else ["sum"]):
+                    for ratio in args.recent_ratios:
+                        configs.append(TaskConfig(policy, budget, rule, args.compress_sliding, args.sink_tokens,
+                                                  ratio, kv_dtype))
     settings = dict(tasks=args.tasks, lengths=args.lengths, samples=args.samples, seed=args.seed,
                     budgets=args.budgets, policies=args.policies, rules=args.rules,
                     compress_sliding=args.compress_sliding, sink_tokens=args.sink_tokens,
-                    recent_ratios=args.recent_ratios, part=list(part),
+                    recent_ratios=args.recent_ratios, kv_dtypes=args.kv_dtypes, part=list(part),
                     filler=[Path(p).name for p in args.text])
 
     def write_partial(run):  # an interrupted run keeps the configurations it finished
@@ -240,6 +245,8 @@ def add_quality_parsers(sub) -> None:
     tk.add_argument("--sink-tokens", type=int, default=None, help="sink tokens of h2o (default 0; sink: 4)")
     tk.add_argument("--recent-ratios", type=csv_of(float), default=[0.5],
                     help="shares of the cache for the recent window, one configuration each (0.5)")
+    tk.add_argument("--kv-dtypes", type=csv_of(str), default=["model"],
+                    help="entry dtypes, every configuration once per dtype: model, int8 (model)")
     tk.add_argument("--no-full", action="store_true", help="skip the full-cache reference row")
     tk.add_argument("--text", nargs="+", required=True, help="prose text file(s) the filler is cut from")
     tk.add_argument("--seed", type=int, default=0, help="seed of the generated samples (0)")

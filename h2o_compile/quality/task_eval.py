@@ -50,22 +50,25 @@ class TaskConfig:
     compress_sliding: bool = False
     sink_tokens: Optional[int] = None
     recent_ratio: float = 0.5
+    kv_dtype: str = "model"  # "int8": quantized kept entries (H2OConfig.kv_dtype)
 
     @property
     def label(self) -> str:
+        dtype = "" if self.kv_dtype == "model" else f" {self.kv_dtype}"
         if self.policy == "full":
-            return "full cache"
+            return "full cache" + dtype
         rule = f" [{self.rule}]" if self.policy == "h2o" else ""
         sinks = f" +{self.sink_tokens} sinks" if self.sink_tokens and self.policy == "h2o" else ""
         recent = f" recent {self.recent_ratio:g}" if self.recent_ratio != 0.5 else ""
-        return f"{self.policy}{rule}{sinks}{recent}"
+        return f"{self.policy}{rule}{sinks}{recent}{dtype}"
 
     def optimize_kwargs(self) -> dict:
+        dtype = {} if self.kv_dtype == "model" else {"kv_dtype": self.kv_dtype}
         if self.policy == "full":
-            return dict(budget=1.0, policy="full")
+            return dict(budget=1.0, policy="full", **dtype)
         rule = parse_rule_option(self.rule) if self.policy == "h2o" else {}
         return dict(budget=self.budget, policy=self.policy, compress_sliding=self.compress_sliding,
-                    sink_tokens=self.sink_tokens, recent_ratio=self.recent_ratio, **rule)
+                    sink_tokens=self.sink_tokens, recent_ratio=self.recent_ratio, **rule, **dtype)
 
 
 @dataclass

@@ -76,3 +76,9 @@ def test_a_disagreeing_score_or_overwriting_a_run_is_refused(runs, tmp_path):
 def test_bad_part_is_named(runs, model_dir, tmp_path):
     assert main(["tasks", "--model", str(model_dir), "--samples", "4", "--part", "3:9", "--text", str(runs["text"]),
                  "--out", str(tmp_path)]) == 2
+
+
+def test_bad_kv_dtype_is_named(runs, model_dir, tmp_path, capsys):
+    assert main(["tasks", "--model", str(model_dir), "--samples", "4", "--kv-dtypes", "int4", "--text",
+                 str(runs["text"]), "--out", str(tmp_path)]) == 2
+    assert "int4" in capsys.readouterr().err

@@ -112,3 +112,15 @@ def test_accuracy_by_depth_band():
     assert run.accuracy(depth_band=(0.0, 0.2), label="x") == 0.5
     assert run.accuracy(depth_band=(0.8, 1.0001), label="x") == 1.0
     assert run.accuracy(label="y") is None
+
+
+def test_int8_configurations_build_quantized_models(tiny):
+    """--kv-dtypes int8 reaches optimize: the model it builds holds int8 entries, the label says so."""
+    import h2o_compile
+
+    model, _ = tiny
+    for config in (TaskConfig("full", kv_dtype="int8"), TaskConfig("h2o", 0.2, "snapkv", kv_dtype="int8")):
+        opt = h2o_compile.optimize(model, compile=False, **config.optimize_kwargs())
+        assert opt.h2o_config.kv_dtype == "int8" and config.label.endswith(" int8")
+    plain = h2o_compile.optimize(model, compile=False, **TaskConfig("h2o", 0.2).optimize_kwargs())
+    assert plain.h2o_config.kv_dtype != "int8" and not TaskConfig("h2o", 0.2).label.endswith("int8")
