@@ -116,8 +116,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="kvbound", choices=("kvbound", "gemma3-270m", "smoke"))
     p.add_argument("--lengths", default="1024,4096")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--policies", default="h2o,sink", help="H2O policies to time (h2o reads the mass, sink not), a policy "
-                   "may carry a score rule: h2o+window=64+pool=9")
+    p.add_argument("--policies", default="h2o,sink",
+                   help="H2O policies to time (h2o reads the mass, sink not), a policy may carry a score rule: "
+                   "h2o+window=64+pool=9")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--memory", action="store_true", help="also the peak RSS growth of one prefill per contender")
     p.add_argument("--smoke", action="store_true")
