@@ -91,24 +91,60 @@ def measure(model_name: str, lengths, batches, policies, repeats: int, log=print
 
 
 def peak_rss_mib(model_name: str, contender: str, length: int, batch: int) -> float:
-    """Peak RSS of a fresh process that loads the model and runs one prefill (MiB), minus its RSS before it."""
+    """How far one prefill raises the resident set of a fresh process that loaded the model (MiB): the RSS
+    sampled every millisecond during the call, minus the RSS just before it. Freed heap is handed back to the
+    system first (malloc_trim), so the call cannot hide its peak in memory the model load left behind."""
     code = f"""
-import resource, sys, torch
+import ctypes, os, sys, threading, torch
 sys.path.insert(0, {str(ROOT)!r})
 sys.argv = ['x']
 from benchmarks.prefill import load, contenders
+page = os.sysconf('SC_PAGE_SIZE')
+def rss():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * page
 model = load({model_name!r}); model.config._attn_implementation = 'sdpa'
 policies = [{contender.split('-', 1)[1].split('@')[0]!r}] if {contender!r} != 'transformers-sdpa' else []
 run = contenders(model, policies)[{contender!r}]
 prompt = torch.randint(1, model.config.get_text_config().vocab_size, ({batch}, {length}))
 with torch.no_grad():
     run(prompt[:, :64])
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ctypes.CDLL('libc.so.6').malloc_trim(0)
+    before = peak = rss()
+    done = threading.Event()
+    def sample():
+        global peak
+        while not done.is_set():
+            peak = max(peak, rss())
+            done.wait(0.001)
+    sampler = threading.Thread(target=sample); sampler.start()
     run(prompt)
-print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+    done.set(); sampler.join()
+    peak = max(peak, rss())
+print((peak - before) / 2**20)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
+
+
+def write_memory_only(model_name: str, lengths, batches, policies, stem: str, command: str) -> int:
+    """Peak RSS growth of one prefill per (length, batch, contender), each in a fresh process; no timing."""
+    names = ["transformers-sdpa"] + [f"h2o-{spec}@0.2" for spec in policies]
+    rows = [dict(model=model_name, length=n, batch=b, contender=name,
+                 peak_rss_growth_mib=peak_rss_mib(model_name, name, n, b))
+            for n in lengths for b in batches for name in names]
+    machine = machine_description()
+    write_json(Path(stem + ".json"), dict(command=command, machine=machine, rows=rows))
+    table = [[r["length"], r["batch"], r["contender"], f"{r['peak_rss_growth_mib']:.0f}"] for r in rows]
+    Path(stem + ".md").write_text(
+        f"# Prefill peak memory on CPU: {model_name}\n\n`{command}`\n\nMachine: {machine}. How far one prefill "
+        "raises the resident set of a fresh process that loaded the model and ran a 64-token warm-up: RSS sampled "
+        "every millisecond during the call minus the RSS just before it (after malloc_trim). H2O at budget 0.2 "
+        "(reset(batch, prompt + 16), then step(prompt, logits_to_keep=1)); transformers: forward with "
+        "use_cache=True, SDPA, logits_to_keep=1, its DynamicCache included.\n\n"
+        + markdown_table(["length", "batch", "contender", "peak RSS growth MiB"], table) + "\n")
+    print(json.dumps({"wrote": [stem + ".json", stem + ".md"]}))
+    return 0
 
 
 def main(argv=None) -> int:
@@ -121,6 +157,8 @@ def main(argv=None) -> int:
                    "h2o+window=64+pool=9")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--memory", action="store_true", help="also the peak RSS growth of one prefill per contender")
+    p.add_argument("--memory-only", action="store_true",
+                   help="only the peak RSS growth (no timing; other jobs may run meanwhile)")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None, help="output stem (default docs/results/prefill_cpu[_gemma3])")
     args = p.parse_args(argv)
@@ -132,11 +170,13 @@ def main(argv=None) -> int:
     stem = args.out or ("/tmp/h2o_prefill_smoke" if args.smoke else
                         "docs/results/prefill_cpu" + ("_gemma3" if args.model == "gemma3-270m" else ""))
     torch.manual_seed(0)
+    command = "python benchmarks/" + command_line().removeprefix("prefill.py").join(["prefill.py", ""])
+    if args.memory_only:
+        return write_memory_only(args.model, lengths, batches, policies, stem + "_memory", command)
     rows = measure(args.model, lengths, batches, policies, args.repeats)
     if args.memory:
         for row in rows:
             row["peak_rss_growth_mib"] = peak_rss_mib(args.model, row["contender"], row["length"], row["batch"])
-    command = "python benchmarks/" + command_line().removeprefix("prefill.py").join(["prefill.py", ""])
     payload = dict(command=command, machine=machine_description(), rows=rows)
     Path(stem).parent.mkdir(parents=True, exist_ok=True)
     write_json(Path(stem + ".json"), payload)
