@@ -46,6 +46,10 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     Returns:
         out [B, Hq, T, Dv] in q's dtype (zeros for invalid queries) and mass [B, Hkv, S] fp32.
     """
+    pads = _left_padding(query_valid) if new_from is not None else None
+    if pads is not None:
+        return _row_by_row(pads, q, keys, values, key_pos, query_pos, scale, new_from, window=window,
+                           sink_logits=sink_logits, query_weight=query_weight, need_mass=need_mass)
     b, hq, t, d = q.shape
     hkv, s_all, dv = keys.shape[1], keys.shape[2], values.shape[3]
     group = hq // hkv
@@ -58,13 +62,30 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     valid_all = query_valid[:, None, :].expand(b, hkv, t).reshape(b * hkv, 1, t, 1)
     chunk = max(1, _LOGITS_PER_CHUNK // (b * hq * s_all))
 
-    def visible_keys(t0: int, t1: int) -> tuple[Tensor, int]:
+    # A sliding-window layer over a block whose cache holds nothing (a prompt's first block): a query chunk sees
+    # only the block keys within W of its queries, so each chunk attends over that span, not the whole prefix.
+    # (Host checks, fine in an eager prefill.)
+    span_cut = window > 0 and new_from is not None and not bool((kpos_all[..., :new_from] >= 0).any())
+
+    def first_key(t0: int, t1: int) -> int:
+        """The lowest key index any query of the chunk [t0, t1) can see (0 unless ``span_cut``)."""
+        if not span_cut:
+            return 0
+        newest_seen = torch.where(query_valid[:, t0:t1], query_pos[:, t0:t1], query_pos.new_tensor(2**62))
+        oldest = newest_seen.amin(dim=1).view(b, 1, 1) - window                     # [B, 1, 1]
+        block = key_pos[:, :, new_from:new_from + t1]                               # [B, Hkv, t1]
+        needed = ((block >= 0) & (block > oldest)).flatten(0, 1).any(dim=0)        # [t1]
+        return new_from + (int(needed.float().argmax()) if bool(needed.any()) else t1)
+
+    def visible_keys(t0: int, t1: int) -> tuple[Tensor, int, int]:
+        """The chunk's visibility mask [B*Hkv, 1, tc, s - lo] over keys lo..s-1, with lo and s."""
         s = s_all if new_from is None else min(s_all, new_from + t1)
-        kpos, qpos = kpos_all[..., :s], qpos_all[:, :, t0:t1]
-        visible = (kpos >= 0) & (kpos <= qpos) & valid_all[:, :, t0:t1]             # [B*Hkv, 1, tc, s]
+        lo = min(first_key(t0, t1), s - 1)  # a chunk of padding keeps one (hidden) key: no empty kernel call
+        kpos, qpos = kpos_all[..., lo:s], qpos_all[:, :, t0:t1]
+        visible = (kpos >= 0) & (kpos <= qpos) & valid_all[:, :, t0:t1]
         if window > 0:
             visible = visible & (kpos > qpos - window)
-        return visible, s
+        return visible, lo, s
 
     # A block without padding or window (a prompt, a chunk of one): the causal kernel over its own keys plus one
     # masked call over the cache, merged by their LSEs. The causal kernel skips the future half, which a mask
@@ -77,10 +98,10 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
         lse = torch.empty(b * hkv, group, t, dtype=torch.float32)
         for t0 in range(0, t, chunk):
             t1 = min(t, t0 + chunk)
-            visible, s = visible_keys(t0, t1)
+            visible, lo, s = visible_keys(t0, t1)
             bias = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
             o, l_c = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qf[:, :, t0:t1], kf[:, :, :s], vf[:, :, :s], 0.0, False, attn_mask=bias, scale=scale)
+                qf[:, :, t0:t1], kf[:, :, lo:s], vf[:, :, lo:s], 0.0, False, attn_mask=bias, scale=scale)
             seen = visible.any(dim=-1)                                              # [B*Hkv, 1, tc]
             # A query that sees nothing (padding) has no defined output: zero, as the reference.
             out[:, :, t0:t1] = torch.where(seen[..., None], o, torch.zeros((), dtype=dtype))
@@ -97,12 +118,45 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
 
 
+def _left_padding(query_valid: Tensor) -> Optional[list[int]]:
+    """Each row's count of leading padding tokens when the block is left-padded (some padding, every row's
+    valid tokens one suffix), else None. (A host read: eager prefill.)"""
+    if bool(query_valid.all()):
+        return None
+    pads = (~query_valid).sum(dim=1)                                                # [B]
+    suffix = torch.arange(query_valid.shape[1]) >= pads[:, None]
+    return pads.tolist() if bool((suffix == query_valid).all()) else None
+
+
+def _row_by_row(pads: list[int], q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: Tensor,
+                scale: float, new_from: int, **kind) -> tuple[Tensor, Tensor]:
+    """A left-padded batch (a serving batch of prompts of different lengths) one row at a time over its valid
+    suffix: each row is then a block without padding, which takes the causal kernel (or, on a window layer, the
+    window's span), where one masked call over the padded batch would attend over every key of the prefix.
+    Padding queries output zeros and add no mass, padding keys get none: the spec's result."""
+    b, hq, t, _ = q.shape
+    out = q.new_zeros(b, hq, t, values.shape[3])
+    mass = torch.zeros(key_pos.shape, dtype=torch.float32)
+    weight = kind.pop("query_weight")
+    for row, pad in enumerate(pads):
+        if pad == t:
+            continue
+        keep = torch.cat([torch.arange(new_from), torch.arange(new_from + pad, new_from + t)])  # cache + suffix
+        o, m = attend_sdpa(q[row:row + 1, :, pad:], keys[row:row + 1, :, keep], values[row:row + 1, :, keep],
+                           key_pos[row:row + 1, :, keep], query_pos[row:row + 1, pad:],
+                           torch.ones(1, t - pad, dtype=torch.bool), scale, new_from=new_from,
+                           query_weight=None if weight is None else weight[row:row + 1, pad:], **kind)
+        out[row, :, pad:] = o[0]
+        mass[row, :, keep] = m[0]
+    return out, mass
+
+
 def _key_mass(qf: Tensor, kf: Tensor, lse: Tensor, kpos_all: Tensor, query_weight: Optional[Tensor], scale: float,
               chunk: int, new_from: Optional[int], causal: bool, visible_keys) -> Tensor:
     """mass[p] = sum_t w_t sum_g exp(q_t . k_p x scale - lse_t): [N, S] fp32 (N = B x Hkv), chunk by chunk.
 
     qf: [N, G, T, D]; kf: [N, 1, S, D]; lse: [N, G, T] fp32 (with any sink folded in); kpos_all: [N, 1, 1, S];
-    query_weight: [B, T] or None. ``visible_keys(t0, t1)`` gives the [N, 1, tc, s] mask of the general path.
+    query_weight: [B, T] or None. ``visible_keys(t0, t1)`` gives the general path's mask over keys lo..s-1.
     """
     n, group, t, d = qf.shape
     s_all = kf.shape[2]
@@ -120,25 +174,28 @@ def _key_mass(qf: Tensor, kf: Tensor, lse: Tensor, kpos_all: Tensor, query_weigh
     keys_t = torch.cat([kf[:, 0].float(), torch.ones(n, s_all, 1)], dim=2).transpose(1, 2)
     for t0 in range(first, t, chunk):
         t1 = min(t, t0 + chunk)
-        s = s_all if new_from is None else min(s_all, new_from + t1)
+        if causal:
+            lo, s = 0, min(s_all, new_from + t1)
+        else:
+            visible, lo, s = visible_keys(t0, t1)
         tc = t1 - t0
         # One [G*tc, D] x [D, s] product per KV head (a broadcast over G would copy the keys G times), with the
         # scale folded into the queries and -lse added by the product itself: logits are written once, then
         # exponentiated in place.
         neg_lse = lse[:, :, t0:t1, None].clamp(min=-3e38).neg()
         rows = torch.cat([qf[:, :, t0:t1].float() * scale, neg_lse], dim=3).reshape(n, group * tc, d + 1)
-        probs = torch.bmm(rows, keys_t[:, :, :s]).exp_()                            # [N, G*tc, s]
+        probs = torch.bmm(rows, keys_t[:, :, lo:s]).exp_()                          # [N, G*tc, s - lo]
         if causal:
             # Without padding or window the only per-query mask is the chunk's own future (a triangle of its
             # last tc keys); empty cache slots are per key and dropped after the sum.
             future = torch.ones(tc, tc, dtype=torch.bool).triu_(1)
             probs.view(n, group, tc, s)[..., new_from + t0:new_from + t1].masked_fill_(future, 0.0)
         else:
-            probs.view(n, group, tc, s).masked_fill_(~visible_keys(t0, t1)[0], 0.0)
+            probs.view(n, group, tc, s - lo).masked_fill_(~visible, 0.0)
         if weight is None:
-            mass[..., :s] += probs.sum(dim=1, keepdim=True)
+            mass[..., lo:s] += probs.sum(dim=1, keepdim=True)
         else:
-            mass[..., :s] += torch.bmm(weight[..., t0:t1].repeat(1, 1, group), probs)
+            mass[..., lo:s] += torch.bmm(weight[..., t0:t1].repeat(1, 1, group), probs)
     if causal:  # an empty slot's key may have any logit (even an overflow): where, not a product
         held = kpos_all[:, 0, 0, :new_from] >= 0                                     # [N, C]
         mass[:, 0, :new_from] = torch.where(held, mass[:, 0, :new_from], 0.0)

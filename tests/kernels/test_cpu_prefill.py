@@ -36,12 +36,15 @@ def _inputs(shape, dtype, seed=0, pad=True):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_hq{}_hkv{}_t{}_c{}_d{}".format(*s))
 @pytest.mark.parametrize("kind", ["plain", "no padding", "window", "sinks", "weights", "sinks no padding",
-                                  "prompt window", "prompt window no padding"])
+                                  "prompt window", "prompt window no padding", "window empty cache",
+                                  "window empty cache no padding"])
 def test_fused_prefill_equals_the_spec(shape, kind):
     """Padding or a window take the masked kernel in query chunks; a block without either the causal kernel
     plus one masked call over the cache (an empty cache when C = 0)."""
     q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, pad="no padding" not in kind)
-    kw = dict(window=6 if kind == "window" else 0,
+    if "empty cache" in kind:  # a prompt's first block: each query chunk attends over its window's span only
+        key_pos[..., :shape[4]] = -1
+    kw = dict(window=6 if kind.startswith("window") else 0,
               sink_logits=sink_logits_for(shape[1], "cpu") if "sinks" in kind else None)
     weight = None
     if kind == "weights":
@@ -84,3 +87,49 @@ def test_the_op_takes_the_fused_path_where_it_applies(monkeypatch, softcap, take
     reference.h2o_attention(q, keys, values, positions, valid, state, scale=0.3, recent=1, sinks=0, policy="h2o",
                             softcap=softcap)
     assert bool(calls) is taken
+
+
+def _record_fused_calls(monkeypatch) -> list:
+    """(queries, keys, is_causal) of every fused-kernel call until monkeypatch.undo()."""
+    calls = []
+    real = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    aten = torch.ops.aten
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(aten, name)
+
+        def _scaled_dot_product_flash_attention_for_cpu(self, q, k, v, dropout, is_causal, **kwargs):
+            calls.append((q.shape[2], k.shape[2], is_causal))
+            return real(q, k, v, dropout, is_causal, **kwargs)
+
+    monkeypatch.setattr(cpu_prefill.torch.ops, "aten", Recording())
+    return calls
+
+
+def test_a_left_padded_batch_takes_the_causal_kernel_row_by_row(monkeypatch):
+    """Prompts of different lengths, left-padded into one block (a serving batch): each row's valid suffix
+    through the causal kernel, none through a mask over the whole prefix; the spec's outputs and mass."""
+    shape = (3, 4, 2, 300, 0, 16)
+    q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, seed=6)
+    calls = _record_fused_calls(monkeypatch)
+    out, mass = cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, 0.3, new_from=0)
+    monkeypatch.undo()
+    want_out, want_mass = reference.attend(q, keys, values, key_pos, positions, valid, 0.3, new_from=0)
+    torch.testing.assert_close(out, want_out, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(mass, want_mass, rtol=1e-4, atol=1e-4)
+    assert sorted(calls) == [(200, 200, True), (300, 300, True), (300, 300, True)], calls
+
+
+def test_a_window_layer_attends_over_its_span_not_the_prefix(monkeypatch):
+    """A 1200-token prompt on a W = 64 layer: every fused call reads at most one query chunk plus W keys, and
+    the result is still the spec's (outputs and mass)."""
+    shape = (1, 4, 2, 1200, 0, 16)
+    q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, seed=5)
+    calls = _record_fused_calls(monkeypatch)
+    out, mass = cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, 0.3, new_from=0, window=64)
+    monkeypatch.undo()
+    want_out, want_mass = reference.attend(q, keys, values, key_pos, positions, valid, 0.3, new_from=0, window=64)
+    torch.testing.assert_close(out, want_out, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(mass, want_mass, rtol=1e-4, atol=1e-4)
+    assert len(calls) > 1 and all(keys <= queries + 64 for queries, keys, _ in calls), calls
