@@ -12,7 +12,7 @@ from .quantized import EMPTY_SCALE, dequantize, quantize
 
 
 class H2OState(NamedTuple):
-    """One layer's cache in the model's dtype; see the module docstring for shapes."""
+    """One layer's cache in the model's dtype; shapes in reference.py's module docstring."""
 
     key_cache: Tensor
     value_cache: Tensor
