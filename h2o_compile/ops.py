@@ -201,6 +201,23 @@ def _(q, k, v, valid, key_cache, value_cache, pos_cache, scale, new_pos, window=
     return q.new_empty(q.shape[:3] + (value_cache.shape[3],)), mass, mass.new_empty(pos_cache.shape[:2] + (1,))
 
 
+@torch.library.custom_op("h2o::materialize", mutates_args=())
+def materialize(tensors: list[Tensor]) -> list[Tensor]:
+    """Copies of ``tensors`` that the compiled graph must compute here, once, each as its own buffer.
+
+    Two Inductor behaviours this opaque op stops in the int8 decode step, whose attention is plain torch ops:
+    a pointwise producer is inlined into every consumer loop, so the query rotated by the model's rotary
+    embedding (sin and cos per element) would be recomputed for each of the C cached slots; and the post-grad
+    locality pass moves a value that only the next layer reads (the attention output) past the cache writes,
+    which then can no longer be done in place (a full copy of the value cache every step)."""
+    return [t.clone() for t in tensors]
+
+
+@materialize.register_fake
+def _(tensors):
+    return [torch.empty_like(t) for t in tensors]
+
+
 def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                     key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
                     scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
@@ -221,10 +238,13 @@ def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: O
     q_seen, k_seen, seen = reference.rolled_inputs(q, k, valid, state, as_tables(rope_cos, rope_sin))
     if state.quantized:
         # int8 entries: the attention in the open too, so the compiler reads the int8 bytes inside its own
-        # reduction loops (a BLAS product would need an fp32 copy of every slot chunk first).
+        # reduction loops (a BLAS product would need an fp32 copy of every slot chunk first). materialize: the
+        # query is computed before those loops, the output before the writes below.
+        [q_seen] = materialize([q_seen])
         out, mass_cache, mass_new = reference.attend_decode(q_seen, k_seen, v, valid, seen, scale, new_pos,
                                                             window=window, softcap=softcap,
                                                             sink_logits=sink_logits, fused_dequant=True)
+        out, mass_cache, mass_new = materialize([out, mass_cache, mass_new])
     else:
         out, mass_cache, mass_new = torch.ops.h2o.attend_decode(q_seen, k_seen, v, valid, seen.key_cache,
                                                                 value_cache, pos_cache, scale, new_pos, window,

@@ -67,3 +67,13 @@ def test_bad_inputs_raise_value_error(mutate, match):
         with pytest.raises(ValueError, match=match):
             op(args["q"], args["k"], args["v"], args["positions"], args["valid"], args["kc"], args["vc"],
                args["sc"], args["pc"], 0.25, args["recent"], args["sinks"], args["policy"], 0)
+
+
+def test_materialize_returns_equal_copies_that_share_no_memory():
+    """h2o::materialize (ops.py) must not change a value, only where the compiled graph computes it."""
+    a = torch.randn(2, 3, 5)[:, :, ::2]                        # non-contiguous, as the rotated query may be
+    b = torch.arange(6.0).reshape(2, 3)
+    copies = torch.ops.h2o.materialize([a, b])
+    for original, copy in zip((a, b), copies):
+        torch.testing.assert_close(copy, original, rtol=0, atol=0)
+        assert copy.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()

