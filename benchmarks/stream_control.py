@@ -42,14 +42,17 @@ def main() -> None:
         begin = last["start"] - 1 - width           # W tokens of history, then the last window's text
         fresh = stream_perplexity(model, ids[begin:last["end"]], capacity=run["capacity"], chunk=run["chunk"],
                                   policy=run["policy"], positions=run["positions"], sink_tokens=run["sink_tokens"],
-                                  window_tokens=width, progress=False)
+                                  window_tokens=width, rule=run.get("rule", "sum"),
+                                  recent_ratio=run.get("recent_ratio", 0.5), progress=False)
         again = fresh.windows[-1]
         assert (again.start + begin, again.end + begin) == (last["start"], last["end"])
         ratio = last["perplexity"] / again.perplexity
-        records.append({"policy": run["policy"], "positions": run["positions"], "window": [last["start"], last["end"]],
+        label = fresh.label
+        records.append({"label": label, "policy": run["policy"], "rule": fresh.rule, "positions": run["positions"],
+                        "window": [last["start"], last["end"]],
                         "after_stream_ppl": last["perplexity"], "fresh_ppl": again.perplexity,
                         "after_stream_vs_fresh": ratio})
-        rows.append((f"{run['policy']} ({run['positions']} positions)", f"{last['start']:,}-{last['end']:,}",
+        rows.append((label, f"{last['start']:,}-{last['end']:,}",
                      f"{last['perplexity']:.3f}", f"{again.perplexity:.3f}", f"{ratio:.3f}"))
     write_json(folder / "control.json", {"command": command_line(), "machine": machine_description(),
                                          "stream": str(folder / "stream.json"), "runs": records})

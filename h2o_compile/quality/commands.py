@@ -57,7 +57,7 @@ def cmd_eval(args) -> int:
 def cmd_stream(args) -> int:
     import torch
 
-    from .stream import stream_runs
+    from .stream import stream_rule_options, stream_runs
     from .stream_report import write_stream_report
     from ..zoo.data import encode_stream
 
@@ -66,6 +66,8 @@ def cmd_stream(args) -> int:
         bad = [v for v in values if v not in allowed]
         if bad or not values:
             raise ValueError(f"{name} {bad or values}: choose from {', '.join(allowed)}")
+    for rule in args.rules:
+        stream_rule_options(rule)  # a bad rule fails before the model loads
     model, tokenizer = load_local(args.model)
     texts = []
     for path in args.text:
@@ -85,7 +87,7 @@ def cmd_stream(args) -> int:
 
     runs = stream_runs(model, ids, capacity=args.budget_slots, chunk=args.chunk, policies=args.policy,
                        positions=args.positions, sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
-                       on_run=write)
+                       rules=args.rules, recent_ratio=args.recent_ratio, on_run=write)
     paths = write(runs)
     print_report(paths)
     return 0
@@ -227,6 +229,9 @@ def add_quality_parsers(sub) -> None:
     st.add_argument("--positions", type=csv_of(str), default=["rolling"], help="rolling and/or true")
     st.add_argument("--sink-tokens", type=int, default=None, help="default: 0 for h2o, 4 for sink")
     st.add_argument("--window-tokens", type=int, default=4096, help="scored tokens per reported window")
+    st.add_argument("--rules", type=csv_of(str), default=["sum"],
+                    help="h2o score rules, one run each: sum, mean, tova, decay=G, joined by '+' (sum)")
+    st.add_argument("--recent-ratio", type=float, default=0.5, help="share of the cache for recent tokens (0.5)")
     st.add_argument("--out", default="docs/results/stream")
     st.set_defaults(func=cmd_stream)
 

@@ -52,6 +52,18 @@ class StreamRun:
     perplexity: float          # over every scored token of the stream
     windows: list[StreamWindow] = field(default_factory=list)
     seconds: float = 0.0
+    rule: str = "sum"          # the h2o score rule (quality/task_eval.py's names); "-" for other policies
+    recent_ratio: float = 0.5
+    # At the stream's end, the age (newest position - p) of every key the full-attention layers keep, summed over
+    # those layers and KV heads, counted per bin [edges[i], edges[i+1]); whether old keys hold the cache.
+    age_edges: list[int] = field(default_factory=list)
+    age_counts: list[int] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        rule = f" [{self.rule}]" if self.policy == "h2o" and self.rule != "sum" else ""
+        recent = f" recent {self.recent_ratio:g}" if self.recent_ratio != 0.5 else ""
+        return f"{self.policy}{rule}{recent} ({self.positions} positions)"
 
     def summary(self) -> dict:
         """The figures the targets speak of: last window vs the first full one (the first window that starts
@@ -66,6 +78,27 @@ class StreamRun:
             "rss_growth_from_10pct": (last.rss_mib - tenth.rss_mib) / tenth.rss_mib if tenth.rss_mib else None,
             "tokens_per_s_first": (full or self.windows[0]).tokens_per_s, "tokens_per_s_last": last.tokens_per_s,
         }
+
+
+def age_bin_edges(tokens: int) -> list[int]:
+    """Bin edges for the ages of kept keys in a stream of ``tokens``: 0, then powers of two up to the stream
+    (a cache holds mostly young keys, and the question is how many very old ones it still holds)."""
+    edges = [0, 1]
+    while edges[-1] < tokens:
+        edges.append(edges[-1] * 2)
+    return edges
+
+
+def kept_age_histogram(opt, newest: int, edges: Sequence[int]) -> list[int]:
+    """Counts of kept keys per age bin (age = ``newest`` - position), over every full-attention layer, batch row
+    and KV head of ``opt`` (an H2OModel after a stream). Sliding-window layers are left out: their window,
+    not the policy, decides what they hold."""
+    ages = [newest - opt.kept_positions(i) for i, spec in enumerate(opt.layers) if not spec.window]
+    if not ages:
+        return [0] * (len(edges) - 1)
+    kept = torch.cat([a[a <= newest].flatten() for a in ages])                # empty slots hold -1: age > newest
+    counts = torch.histogram(kept.double(), bins=torch.tensor(edges, dtype=torch.float64)).hist
+    return [int(c) for c in counts]
 
 
 def _check(tokens: int, capacity: int, chunk: int, window_tokens: int, policy: str, positions: str) -> None:
@@ -85,26 +118,32 @@ def _check(tokens: int, capacity: int, chunk: int, window_tokens: int, policy: s
 @torch.no_grad()
 def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: int = 64, policy: str = "h2o",
                       positions: str = "rolling", sink_tokens: Optional[int] = None, window_tokens: int = 4096,
-                      progress: bool = True, desc: Optional[str] = None) -> StreamRun:
+                      rule: str = "sum", recent_ratio: float = 0.5, progress: bool = True,
+                      desc: Optional[str] = None) -> StreamRun:
     """Feed ``token_ids`` [N] as one stream through ``capacity`` slots; perplexity per window of the stream.
 
     Args:
         model: a transformers causal LM (optimize() is applied here, eager).
         capacity: C slots per layer and KV head (sliding-window layers: their window, as H2OConfig says).
         chunk: tokens per step (memory stays at C + chunk).
-        policy, positions, sink_tokens: as H2OConfig (sink_tokens None = the policy's default).
+        policy, positions, sink_tokens, recent_ratio: as H2OConfig (sink_tokens None = the policy's default).
         window_tokens: scored tokens per reported window.
+        rule: the score rule of policy h2o, by the names of ``tasks --rules`` ("sum", "mean", "tova",
+            "decay=0.99", ...); ignored by the other policies. A prompt window or pooling has no prompt to act
+            on in a chunked stream and is refused.
     Returns:
         a StreamRun; windows cover positions 1..N-1 (position 0 has nothing to be predicted from).
     """
     tokens = int(token_ids.numel())
     _check(tokens, capacity, chunk, window_tokens, policy, positions)
+    options = {"recent_ratio": recent_ratio, **(stream_rule_options(rule) if policy == "h2o" else {})}
     opt = optimize(model, budget=capacity, policy=policy, positions=positions, prefill=chunk,
-                   sink_tokens=sink_tokens, compile=False)
+                   sink_tokens=sink_tokens, compile=False, **options)
     opt.reset(1, capacity=capacity)
     ids = token_ids.reshape(1, -1).long()
     run = StreamRun(policy, positions, capacity, chunk, opt.h2o_config.sink_tokens, tokens, opt.kv_cache_bytes(),
-                    float("nan"))
+                    float("nan"), rule=rule if policy == "h2o" else "-",
+                    recent_ratio=opt.h2o_config.recent_ratio)
     total_nll, window_nll, window_count, window_start = 0.0, 0.0, 0, 1
     start_time = window_time = time.perf_counter()
     bar = tqdm(total=tokens, unit="tok", desc=desc or f"{policy}/{positions}", disable=not progress,
@@ -134,23 +173,41 @@ def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: i
                             ppl=f"{run.windows[-1].perplexity:.2f}", refresh=False)
     bar.update(1)  # the last token, scored but never fed
     bar.close()
+    run.age_edges = age_bin_edges(tokens)
+    run.age_counts = kept_age_histogram(opt, tokens - 2, run.age_edges)     # token N-2 was the last one fed
     run.seconds = time.perf_counter() - start_time
     run.perplexity = math.exp(total_nll / (tokens - 1))
     return run
 
 
+def stream_rule_options(rule: str) -> dict:
+    """H2OConfig keywords of an h2o score rule for a stream; a ValueError for rules a stream cannot honour."""
+    from .task_eval import parse_rule_option
+
+    options = parse_rule_option(rule)
+    if options.get("prompt_window") is not None or options.get("prompt_pool", 1) != 1:
+        raise ValueError(f"score rule {rule!r}: a stream is fed in chunks and has no prompt for window=/pool= "
+                         "to act on; use sum, mean, tova or decay=G")
+    return options
+
+
 def stream_runs(model, token_ids: torch.Tensor, *, capacity: int, chunk: int, policies: Sequence[str],
                 positions: Sequence[str], sink_tokens: Optional[int] = None, window_tokens: int = 4096,
-                progress: bool = True, on_run=None) -> list[StreamRun]:
-    """Every (policy, positions) pair over the same stream; ``on_run(runs so far)`` after each one."""
+                rules: Sequence[str] = ("sum",), recent_ratio: float = 0.5, progress: bool = True,
+                on_run=None) -> list[StreamRun]:
+    """Every (policy [x rule for h2o], positions) over the same stream; ``on_run(runs so far)`` after each."""
+    for rule in rules:
+        stream_rule_options(rule)  # every rule checked before the first long run
     runs = []
     for policy in policies:
-        for scheme in positions:
-            runs.append(stream_perplexity(model, token_ids, capacity=capacity, chunk=chunk, policy=policy,
-                                          positions=scheme, sink_tokens=sink_tokens, window_tokens=window_tokens,
-                                          progress=progress))
-            if on_run is not None:
-                on_run(runs)
+        for rule in (rules if policy == "h2o" else ["sum"]):
+            for scheme in positions:
+                runs.append(stream_perplexity(model, token_ids, capacity=capacity, chunk=chunk, policy=policy,
+                                              positions=scheme, sink_tokens=sink_tokens,
+                                              window_tokens=window_tokens, rule=rule, recent_ratio=recent_ratio,
+                                              progress=progress))
+                if on_run is not None:
+                    on_run(runs)
     return runs
 
 

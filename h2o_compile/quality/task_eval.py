@@ -17,8 +17,9 @@ RULE_PRESETS = {"sum": {}, "mean": {"score": "mean"}, "tova": {"score_decay": 0.
 
 
 def parse_rule_option(text: str) -> dict:
-    """'sum' | 'mean' | 'tova' | 'snapkv' | 'decay=G' | 'window=W' | 'pool=K', joined by '+' -> H2OConfig
-    keyword arguments. A ValueError names the bad part."""
+    """'sum' | 'mean' | 'tova' | 'snapkv' | 'decay=G' | 'window=W' | 'pool=K' | 'recent=R', joined by '+' ->
+    H2OConfig keyword arguments (recent=R: the recent window's share of the cache, recent_ratio). A ValueError
+    names the bad part; H2OConfig checks the values."""
     options: dict = {}
     for part in text.split("+"):
         name, _, value = part.partition("=")
@@ -31,11 +32,13 @@ def parse_rule_option(text: str) -> dict:
                 options["prompt_window"] = int(value)
             elif name == "pool":
                 options["prompt_pool"] = int(value)
+            elif name == "recent":
+                options["recent_ratio"] = float(value)
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"score rule {text!r}: cannot read {part!r}; use {', '.join(RULE_PRESETS)}, decay=G, "
-                             "window=W or pool=K, joined by '+'") from None
+                             "window=W, pool=K or recent=R, joined by '+'") from None
     return options
 
 
@@ -67,8 +70,12 @@ class TaskConfig:
         if self.policy == "full":
             return dict(budget=1.0, policy="full", **dtype)
         rule = parse_rule_option(self.rule) if self.policy == "h2o" else {}
-        return dict(budget=self.budget, policy=self.policy, compress_sliding=self.compress_sliding,
-                    sink_tokens=self.sink_tokens, recent_ratio=self.recent_ratio, **rule, **dtype)
+        if "recent_ratio" in rule and self.recent_ratio != 0.5:
+            raise ValueError(f"rule {self.rule!r} sets recent= and the configuration recent_ratio="
+                             f"{self.recent_ratio}: give one")
+        kwargs = dict(budget=self.budget, policy=self.policy, compress_sliding=self.compress_sliding,
+                      sink_tokens=self.sink_tokens, recent_ratio=self.recent_ratio, **dtype)
+        return {**kwargs, **rule}
 
 
 @dataclass

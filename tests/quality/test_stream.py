@@ -10,6 +10,7 @@ import torch
 
 from h2o_compile.cli import main
 from h2o_compile.quality.stream import stream_perplexity
+from h2o_compile.zoo.loading import load_local
 from tests.runtime.arch_configs import VOCAB, build
 
 
@@ -45,6 +46,36 @@ def test_an_evicting_stream_past_the_positions_reports_every_window():
     assert run.sink_tokens == 4 and run.kv_bytes > 0
 
 
+def test_the_age_histogram_of_an_oldest_first_stream_holds_exactly_the_newest_keys():
+    """policy local keeps the newest C positions: at the end every full-attention layer and KV head holds ages
+    0..C-1 once each, so the histogram is known without reading the cache."""
+    model = build("llama")
+    capacity, layers, kv_heads = 20, model.config.num_hidden_layers, model.config.num_key_value_heads
+    ids = torch.randint(1, VOCAB, (300,), generator=torch.Generator().manual_seed(2))
+    run = stream_perplexity(model, ids, capacity=capacity, chunk=8, policy="local", positions="rolling",
+                            window_tokens=100, progress=False)
+    assert run.age_edges[:6] == [0, 1, 2, 4, 8, 16] and run.age_edges[-1] >= 300
+    want = [0] * (len(run.age_edges) - 1)
+    for age in range(capacity):
+        want[next(i for i in range(len(want)) if run.age_edges[i] <= age < run.age_edges[i + 1])] += layers * kv_heads
+    assert run.age_counts == want
+
+
+def test_a_stream_takes_score_rules_and_refuses_prompt_rules():
+    """decay=1 is the paper's sum spelled differently (the same stream, the same perplexity); tova keeps other
+    keys (another perplexity); a prompt window has no prompt in a chunked stream."""
+    model = build("llama")
+    ids = torch.randint(1, VOCAB, (200,), generator=torch.Generator().manual_seed(3))
+    runs = {rule: stream_perplexity(model, ids, capacity=24, chunk=8, policy="h2o", positions="rolling",
+                                    window_tokens=100, rule=rule, recent_ratio=0.25, progress=False)
+            for rule in ("sum", "decay=1", "tova")}
+    assert runs["decay=1"].perplexity == pytest.approx(runs["sum"].perplexity, rel=1e-6)
+    assert runs["tova"].perplexity != pytest.approx(runs["sum"].perplexity, rel=1e-4)
+    assert runs["tova"].label == "h2o [tova] recent 0.25 (rolling positions)"
+    with pytest.raises(ValueError, match="has no prompt for window="):
+        stream_perplexity(model, ids, capacity=24, chunk=8, rule="window=64+pool=9", progress=False)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(policy="full"), "a stream needs an evicting policy"),
     (dict(positions="absolute"), "positions='absolute'"),
@@ -66,7 +97,7 @@ def test_stream_cli_writes_json_markdown_and_plot(tmp_path, capsys):
                  "--chunk", "32", "--policy", "h2o,sink", "--positions", "rolling,true", "--window-tokens", "500",
                  "--out", str(out)])
     assert code == 0
-    assert sorted(p.name for p in out.iterdir()) == ["stream.json", "stream.md", "stream.png"]
+    assert sorted(p.name for p in out.iterdir()) == ["stream.json", "stream.md", "stream.png", "stream_ages.png"]
     report = json.loads((out / "stream.json").read_text())
     assert [(r["policy"], r["positions"]) for r in report["runs"]] == [
         ("h2o", "rolling"), ("h2o", "true"), ("sink", "rolling"), ("sink", "true")]
@@ -78,3 +109,23 @@ def test_stream_cli_writes_json_markdown_and_plot(tmp_path, capsys):
     assert main(["stream", "--model", "tiny", "--text", str(text), "--tokens", "100", "--budget-slots", "64",
                  "--policy", "full", "--out", str(tmp_path / "never")]) == 2
     assert "--policy ['full']" in capsys.readouterr().err
+    assert main(["stream", "--model", "tiny", "--text", str(text), "--tokens", "100", "--budget-slots", "64",
+                 "--rules", "sum,snapkv", "--out", str(tmp_path / "never")]) == 2
+    assert "score rule 'snapkv'" in capsys.readouterr().err
+
+
+def test_stream_cli_runs_each_rule_and_reports_ages(tmp_path):
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"word{(i * 7) % 50}" for i in range(3000)))
+    out = tmp_path / "stream"
+    assert main(["stream", "--model", "tiny", "--text", str(text), "--tokens", "600", "--budget-slots", "48",
+                 "--chunk", "32", "--policy", "h2o,sink", "--rules", "sum,decay=0.9", "--recent-ratio", "0.25",
+                 "--window-tokens", "300", "--out", str(out)]) == 0
+    report = json.loads((out / "stream.json").read_text())
+    assert [(r["policy"], r["rule"]) for r in report["runs"]] == [("h2o", "sum"), ("h2o", "decay=0.9"), ("sink", "-")]
+    # every slot of the shipped Llama (full attention only) is filled after 600 tokens: all of them are counted
+    config = load_local("tiny")[0].config
+    slots = 48 * config.num_hidden_layers * config.num_key_value_heads
+    assert all(sum(r["age_counts"]) == slots for r in report["runs"])
+    text_md = (out / "stream.md").read_text()
+    assert "| h2o [decay=0.9] recent 0.25 (rolling positions) |" in text_md and "median age" in text_md
