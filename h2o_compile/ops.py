@@ -203,7 +203,8 @@ def _(q, k, v, valid, key_cache, value_cache, pos_cache, scale, new_pos, window=
 
 @torch.library.custom_op("h2o::materialize", mutates_args=())
 def materialize(tensors: list[Tensor]) -> list[Tensor]:
-    """Copies of ``tensors`` that the compiled graph must compute here, once, each as its own buffer.
+    """Copies of ``tensors`` (each with its input's shape, dtype and device) that the compiled graph must
+    compute here, once, each as its own buffer.
 
     Two Inductor behaviours this opaque op stops in the int8 decode step, whose attention is plain torch ops:
     a pointwise producer is inlined into every consumer loop, so the query rotated by the model's rotary

@@ -68,6 +68,8 @@ def cmd_stream(args) -> int:
             raise ValueError(f"{name} {bad or values}: choose from {', '.join(allowed)}")
     for rule in args.rules:
         stream_rule_options(rule)  # a bad rule fails before the model loads
+    if not 0.0 <= args.recent_ratio <= 1.0:
+        raise ValueError(f"--recent-ratio {args.recent_ratio}: a share of the cache, in [0, 1]")
     model, tokenizer = load_local(args.model)
     texts = []
     for path in args.text:
@@ -114,7 +116,7 @@ def cmd_tasks(args) -> int:
 
     from ..zoo.data import clean_text
     from ..kernels.quantized import check_kv_dtype
-    from .task_eval import TaskConfig, parse_rule_option, run_tasks
+    from .task_eval import TaskConfig, run_tasks
     from .task_report import write_task_report
     from .tasks import TASKS, make_samples, write_samples
 
@@ -126,7 +128,7 @@ def cmd_tasks(args) -> int:
         raise ValueError(f"--policies {bad}; choose from {', '.join(p for p in POLICIES if p != 'full')} "
                          "(the full cache is always run unless --no-full)")
     for rule in args.rules:
-        parse_rule_option(rule)  # a bad rule fails before the model loads
+        TaskConfig("h2o", rule=rule)  # a bad rule (or one with recent=) fails before the model loads
     for kv_dtype in args.kv_dtypes:
         check_kv_dtype(kv_dtype)
     part = parse_part(args.part, args.samples)
@@ -207,7 +209,8 @@ def add_quality_parsers(sub) -> None:
                     help="compress sliding-window layers to the budget too (default: they keep their window)")
     ev.add_argument("--h2o-sinks", type=int, default=0, help="also evaluate h2o with this many sink tokens")
     ev.add_argument("--h2o-rules", type=csv_of(str), default=[],
-                    help="also evaluate h2o under these score rules: mean, tova, snapkv, decay=G, ... joined by '+'")
+                    help="also evaluate h2o under these score rules: mean, tova, snapkv, decay=G, window=W, pool=K, "
+                         "recent=R (the recent window's share), joined by '+'")
     ev.add_argument("--kv-dtypes", type=csv_of(str), default=["model"],
                     help="entry dtypes, each configuration once per dtype: model, int8 (model); int8 rows are "
                          "labelled <policy>+int8")
@@ -230,7 +233,8 @@ def add_quality_parsers(sub) -> None:
     st.add_argument("--sink-tokens", type=int, default=None, help="default: 0 for h2o, 4 for sink")
     st.add_argument("--window-tokens", type=int, default=4096, help="scored tokens per reported window")
     st.add_argument("--rules", type=csv_of(str), default=["sum"],
-                    help="h2o score rules, one run each: sum, mean, tova, decay=G, joined by '+' (sum)")
+                    help="h2o score rules, one run each: sum, mean, tova, decay=G, joined by '+' (sum); no prompt "
+                         "rules (window=, pool=, snapkv): a stream has no prompt")
     st.add_argument("--recent-ratio", type=float, default=0.5, help="share of the cache for recent tokens (0.5)")
     st.add_argument("--out", default="docs/results/stream")
     st.set_defaults(func=cmd_stream)

@@ -54,6 +54,7 @@ class StreamRun:
     seconds: float = 0.0
     rule: str = "sum"          # the h2o score rule (quality/task_eval.py's names); "-" for other policies
     recent_ratio: float = 0.5
+    recent_slots: int = 0      # R, the slots of the recent window (ages below R are the window's, not the rule's)
     # At the stream's end, the age (newest position - p) of every key the full-attention layers keep, summed over
     # those layers and KV heads, counted per bin [edges[i], edges[i+1]); whether old keys hold the cache.
     age_edges: list[int] = field(default_factory=list)
@@ -80,24 +81,28 @@ class StreamRun:
         }
 
 
-def age_bin_edges(tokens: int) -> list[int]:
-    """Bin edges for the ages of kept keys in a stream of ``tokens``: 0, then powers of two up to the stream
-    (a cache holds mostly young keys, and the question is how many very old ones it still holds)."""
-    edges = [0, 1]
-    while edges[-1] < tokens:
-        edges.append(edges[-1] * 2)
-    return edges
+def age_bin_edges(tokens: int, *marks: int) -> list[int]:
+    """Bin edges for the ages of kept keys in a stream of ``tokens``: 0, powers of two up to the stream (a cache
+    holds mostly young keys; the question is how many old ones it still holds), and ``marks`` (the recent
+    window R and 4 C), so the report's figures at those ages are exact, not read off a power-of-two bin."""
+    edges = {0, 1}
+    top = 1
+    while top < tokens:
+        top *= 2
+        edges.add(top)
+    edges.update(mark for mark in marks if 0 < mark < top)
+    return sorted(edges)
 
 
 def kept_age_histogram(opt, newest: int, edges: Sequence[int]) -> list[int]:
-    """Counts of kept keys per age bin (age = ``newest`` - position), over every full-attention layer, batch row
-    and KV head of ``opt`` (an H2OModel after a stream). Sliding-window layers are left out: their window,
-    not the policy, decides what they hold."""
-    ages = [newest - opt.kept_positions(i) for i, spec in enumerate(opt.layers) if not spec.window]
+    """Counts of kept keys per age bin [edges[i], edges[i+1]) (age = ``newest`` - position), over every
+    full-attention layer, batch row and KV head of ``opt`` (an H2OModel after a stream). Sliding-window layers
+    are left out: their window, not the policy, decides what they hold."""
+    ages = [newest - opt.kept_positions(i) for i, spec in enumerate(opt.layers) if not spec.window]  # [B, Hkv, C]
     if not ages:
         return [0] * (len(edges) - 1)
     kept = torch.cat([a[a <= newest].flatten() for a in ages])                # empty slots hold -1: age > newest
-    counts = torch.histogram(kept.double(), bins=torch.tensor(edges, dtype=torch.float64)).hist
+    counts = torch.histogram(kept.double().cpu(), bins=torch.tensor(edges, dtype=torch.float64)).hist
     return [int(c) for c in counts]
 
 
@@ -136,14 +141,14 @@ def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: i
     """
     tokens = int(token_ids.numel())
     _check(tokens, capacity, chunk, window_tokens, policy, positions)
-    options = {"recent_ratio": recent_ratio, **(stream_rule_options(rule) if policy == "h2o" else {})}
+    options = stream_rule_options(rule) if policy == "h2o" else {}
     opt = optimize(model, budget=capacity, policy=policy, positions=positions, prefill=chunk,
-                   sink_tokens=sink_tokens, compile=False, **options)
+                   sink_tokens=sink_tokens, recent_ratio=recent_ratio, compile=False, **options)
     opt.reset(1, capacity=capacity)
     ids = token_ids.reshape(1, -1).long()
     run = StreamRun(policy, positions, capacity, chunk, opt.h2o_config.sink_tokens, tokens, opt.kv_cache_bytes(),
                     float("nan"), rule=rule if policy == "h2o" else "-",
-                    recent_ratio=opt.h2o_config.recent_ratio)
+                    recent_ratio=recent_ratio)
     total_nll, window_nll, window_count, window_start = 0.0, 0.0, 0, 1
     start_time = window_time = time.perf_counter()
     bar = tqdm(total=tokens, unit="tok", desc=desc or f"{policy}/{positions}", disable=not progress,
@@ -173,7 +178,8 @@ def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: i
                             ppl=f"{run.windows[-1].perplexity:.2f}", refresh=False)
     bar.update(1)  # the last token, scored but never fed
     bar.close()
-    run.age_edges = age_bin_edges(tokens)
+    run.recent_slots = opt.h2o_config.recent_window(capacity) if policy == "h2o" else 0
+    run.age_edges = age_bin_edges(tokens, run.recent_slots, 4 * capacity)
     run.age_counts = kept_age_histogram(opt, tokens - 2, run.age_edges)     # token N-2 was the last one fed
     run.seconds = time.perf_counter() - start_time
     run.perplexity = math.exp(total_nll / (tokens - 1))
@@ -186,8 +192,11 @@ def stream_rule_options(rule: str) -> dict:
 
     options = parse_rule_option(rule)
     if options.get("prompt_window") is not None or options.get("prompt_pool", 1) != 1:
-        raise ValueError(f"score rule {rule!r}: a stream is fed in chunks and has no prompt for window=/pool= "
-                         "to act on; use sum, mean, tova or decay=G")
+        raise ValueError(f"score rule {rule!r}: a stream is fed in chunks and has no prompt for a prompt window or "
+                         "pooling (window=, pool=, snapkv) to act on; use sum, mean, tova or decay=G, joined by '+'")
+    if "recent_ratio" in options:
+        raise ValueError(f"score rule {rule!r}: give the recent window's share once, as --recent-ratio "
+                         "(recent_ratio=), not as recent= in the rule")
     return options
 
 

@@ -6,32 +6,50 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..reporting import command_line, machine_description, markdown_table, write_json
-from .stream import StreamRun, run_dict
+from .stream import StreamRun, StreamWindow, run_dict
 
 
-def age_summary(run: StreamRun) -> tuple[Optional[float], Optional[float]]:
-    """(median age, share of kept keys older than 4 C) from the run's age histogram; (None, None) without one.
-    The median is read at the upper edge of the bin that holds it (the histogram's resolution)."""
+def age_summary(run: StreamRun) -> tuple[Optional[tuple[int, int]], Optional[float]]:
+    """From the run's age histogram: the bin [lo, hi) holding the median age of the kept keys older than the
+    recent window (the keys the policy chose to keep, not the window), and the share of all kept keys older than
+    4 C. (None, None) without a histogram; 4 C and R are bin edges (age_bin_edges), so the share is exact."""
     total = sum(run.age_counts)
     if not total:
         return None, None
-    running, median = 0, None
-    for upper, count in zip(run.age_edges[1:], run.age_counts):
+    bins = list(zip(run.age_edges, run.age_edges[1:], run.age_counts))
+    chosen = [(lo, hi, count) for lo, hi, count in bins if lo >= run.recent_slots]
+    running, median, half = 0, None, sum(count for _, _, count in chosen) / 2
+    for lo, hi, count in chosen:
         running += count
-        if running * 2 >= total:
-            median = upper
+        if count and running >= half:
+            median = (lo, hi)
             break
-    old = sum(c for lower, c in zip(run.age_edges, run.age_counts) if lower >= 4 * run.capacity)
+    old = sum(count for lo, _, count in bins if lo >= 4 * run.capacity)
     return median, old / total
 
 
+def runs_from_json(report: dict) -> list[StreamRun]:
+    """The StreamRuns of a stream.json (written by this module, possibly by an older version: a run without
+    ``recent_slots`` gets the R its h2o settings imply), to rewrite a report without running it again."""
+    runs = []
+    for data in report["runs"]:
+        data = {k: v for k, v in data.items() if k != "summary"}
+        windows = [StreamWindow(**w) for w in data.pop("windows")]
+        if "recent_slots" not in data and data["policy"] == "h2o":
+            data["recent_slots"] = max(1, round(data["capacity"] * data.get("recent_ratio", 0.5)))
+        runs.append(StreamRun(**data, windows=windows))
+    return runs
+
+
 def write_stream_report(runs: Sequence[StreamRun], out_dir, *, model_name: str, text_names: Sequence[str],
-                        max_positions, elapsed_s: float) -> dict:
-    """Writes the three files under ``out_dir``; returns their paths."""
+                        max_positions, elapsed_s: float, command: Optional[str] = None,
+                        machine: Optional[str] = None) -> dict:
+    """Writes stream.json / .md, stream.png and stream_ages.png under ``out_dir``; returns their paths.
+    ``command``, ``machine``: what to record (default: this process's; a rewritten report keeps the run's)."""
     out = Path(out_dir)
     paths = {"json": out / "stream.json", "markdown": out / "stream.md", "plot": out / "stream.png",
              "ages": out / "stream_ages.png"}
-    header = {"command": command_line(), "machine": machine_description(), "model": model_name,
+    header = {"command": command or command_line(), "machine": machine or machine_description(), "model": model_name,
               "texts": list(text_names), "max_position_embeddings": max_positions, "elapsed_s": round(elapsed_s, 1)}
     write_json(paths["json"], {**header, "runs": [run_dict(r) for r in runs]})
 
@@ -50,11 +68,12 @@ def write_stream_report(runs: Sequence[StreamRun], out_dir, *, model_name: str, 
     age_rows = []
     for run in runs:
         median, old = age_summary(run)
-        age_rows.append((run.label, "-" if median is None else f"<= {median:,}",
+        age_rows.append((run.label, run.recent_slots or "-",
+                         "-" if median is None else f"{median[0]:,}-{median[1]:,}",
                          "-" if old is None else f"{old:.1%}"))
     first = runs[0]
-    age_table = markdown_table(["run", "median age of a kept key (tokens)", f"kept keys older than 4 C "
-                                f"({4 * first.capacity:,} tokens)"], age_rows)
+    age_table = markdown_table(["run", "recent window R", "median age of the kept keys older than R (its bin)",
+                                f"kept keys older than 4 C ({4 * first.capacity:,} tokens)"], age_rows)
     positions_note = (f" The model was trained on {max_positions} positions: the stream is "
                       f"{first.tokens / max_positions:.0f}x that.") if max_positions else ""
     paths["markdown"].write_text(
@@ -70,7 +89,8 @@ def write_stream_report(runs: Sequence[StreamRun], out_dir, *, model_name: str, 
         f"{table}\n\n![perplexity and memory along the stream]({paths['plot'].name})\n\n"
         "Age of the keys the full-attention layers hold at the stream's end (age = the newest position - the "
         "key's position; every layer, KV head and slot together; sliding-window layers are left out, their window "
-        f"decides what they hold):\n\n{age_table}\n\n![ages of the kept keys]({paths['ages'].name})\n")
+        "decides what they hold). The median is taken over the keys older than the recent window R (h2o: the heavy "
+        f"hitters its rule kept; policies without a recent window: every kept key):\n\n{age_table}\n\n![ages of the kept keys]({paths['ages'].name})\n")
     _plot(paths["plot"], runs, model_name)
     _plot_ages(paths["ages"], runs, model_name)
     return paths

@@ -55,6 +55,11 @@ class TaskConfig:
     recent_ratio: float = 0.5
     kv_dtype: str = "model"  # "int8": quantized kept entries (H2OConfig.kv_dtype)
 
+    def __post_init__(self) -> None:
+        if self.policy == "h2o" and "recent_ratio" in parse_rule_option(self.rule):
+            raise ValueError(f"rule {self.rule!r}: a task configuration has its own recent_ratio (--recent-ratios); "
+                             "recent= belongs to eval --h2o-rules")
+
     @property
     def label(self) -> str:
         dtype = "" if self.kv_dtype == "model" else f" {self.kv_dtype}"
@@ -70,12 +75,8 @@ class TaskConfig:
         if self.policy == "full":
             return dict(budget=1.0, policy="full", **dtype)
         rule = parse_rule_option(self.rule) if self.policy == "h2o" else {}
-        if "recent_ratio" in rule and self.recent_ratio != 0.5:
-            raise ValueError(f"rule {self.rule!r} sets recent= and the configuration recent_ratio="
-                             f"{self.recent_ratio}: give one")
-        kwargs = dict(budget=self.budget, policy=self.policy, compress_sliding=self.compress_sliding,
-                      sink_tokens=self.sink_tokens, recent_ratio=self.recent_ratio, **dtype)
-        return {**kwargs, **rule}
+        return dict(budget=self.budget, policy=self.policy, compress_sliding=self.compress_sliding,
+                    sink_tokens=self.sink_tokens, recent_ratio=self.recent_ratio, **rule, **dtype)
 
 
 @dataclass

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from h2o_compile.cli import main
-from h2o_compile.quality.stream import stream_perplexity
+from h2o_compile.quality.stream import StreamRun, age_bin_edges, stream_perplexity
+from h2o_compile.quality.stream_report import age_summary
 from h2o_compile.zoo.loading import load_local
 from tests.runtime.arch_configs import VOCAB, build
 
@@ -72,8 +73,23 @@ def test_a_stream_takes_score_rules_and_refuses_prompt_rules():
     assert runs["decay=1"].perplexity == pytest.approx(runs["sum"].perplexity, rel=1e-6)
     assert runs["tova"].perplexity != pytest.approx(runs["sum"].perplexity, rel=1e-4)
     assert runs["tova"].label == "h2o [tova] recent 0.25 (rolling positions)"
-    with pytest.raises(ValueError, match="has no prompt for window="):
+    with pytest.raises(ValueError, match="has no prompt for a prompt window"):
         stream_perplexity(model, ids, capacity=24, chunk=8, rule="window=64+pool=9", progress=False)
+    with pytest.raises(ValueError, match="not as recent= in the rule"):
+        stream_perplexity(model, ids, capacity=24, chunk=8, rule="decay=0.9+recent=0.1", progress=False)
+
+
+def test_the_age_summary_reads_the_heavy_hitters_and_the_old_share_exactly():
+    """A hand-made histogram with C = 48 (4 C = 192, not a power of two) and R = 12: the old share counts
+    exactly the keys aged >= 192, the median is taken over the keys older than R only."""
+    edges = age_bin_edges(1000, 12, 192)
+    assert edges == [0, 1, 2, 4, 8, 12, 16, 32, 64, 128, 192, 256, 512, 1024]
+    ages = [0] * 6 + [5] * 6 + [20] * 3 + [100] * 3 + [200] * 10 + [700] * 20   # 48 keys: 12 recent, 36 chosen
+    counts = [sum(lo <= a < hi for a in ages) for lo, hi in zip(edges, edges[1:])]
+    run = StreamRun("h2o", "rolling", 48, 8, 0, 1000, 1, 1.0, recent_slots=12, age_edges=edges, age_counts=counts)
+    median, old = age_summary(run)
+    assert old == pytest.approx(30 / 48)          # the ten keys aged 200 count, though 192 is not a power of two
+    assert median == (512, 1024)                  # 36 chosen keys: 3 + 3 + 10 below 512, 20 at 700
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -78,9 +78,19 @@ def test_bad_task_arguments_are_named(tiny, filler):
     ("snapkv", {"prompt_window": 64, "prompt_pool": 5}),
     ("mean+window=32+pool=3", {"score": "mean", "prompt_window": 32, "prompt_pool": 3}),
     ("decay=0.99", {"score_decay": 0.99}),
+    ("window=64+pool=9+recent=0.1", {"prompt_window": 64, "prompt_pool": 9, "recent_ratio": 0.1}),
 ])
 def test_rule_options(text, want):
     assert parse_rule_option(text) == want
+
+
+def test_a_task_configuration_takes_its_recent_ratio_once():
+    """recent= is for eval's rule rows; a task configuration has recent_ratio of its own, so a rule carrying it
+    too is refused when the configuration is made (before any sample runs), whatever the two values are."""
+    for ratio in (0.5, 0.1):
+        with pytest.raises(ValueError, match="recent= belongs to eval"):
+            TaskConfig("h2o", 0.2, "window=64+recent=0.1", recent_ratio=ratio)
+    assert TaskConfig("sink", 0.2, "sum", recent_ratio=0.1).optimize_kwargs()["recent_ratio"] == 0.1
 
 
 def test_bad_rule_option_is_named():

@@ -89,9 +89,11 @@ def test_compiled_int8_decode_on_windows_softcap_and_sinks_equals_the_simulation
     # one key element, then the scores it moves). Such a flip moves a few logits by up to ~1e-2 for a few
     # steps; a wrong dequantization, sink or soft-cap moves every logit. So: 90% of the logits to 1e-4, none
     # beyond one quantum's reach.
-    error = (ours - want).abs()
-    assert error.max() < 5e-2, f"largest logit error {error.max():.3g}"
-    assert (error > 1e-4 + 1e-4 * want.abs()).float().mean() < 0.1, "more than 10% of the logits differ"
+    # The 9-token prompt block does not go through the compiled step: exact there, the flips only after it.
+    torch.testing.assert_close(ours[:, :9], want[:, :9], rtol=1e-4, atol=1e-4)
+    error = (ours - want)[:, 9:].abs()
+    assert error.max() < 5e-2, f"largest logit error {error.max():.3g}"  # 5x the largest flip seen, 1.5e-2
+    assert (error > 1e-4 + 1e-4 * want[:, 9:].abs()).float().mean() < 0.1, "more than 10% of the logits differ"
 
 
 def test_full_budget_int8_stays_close_to_the_model():
