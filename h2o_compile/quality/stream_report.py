@@ -90,7 +90,8 @@ def write_stream_report(runs: Sequence[StreamRun], out_dir, *, model_name: str, 
         "Age of the keys the full-attention layers hold at the stream's end (age = the newest position - the "
         "key's position; every layer, KV head and slot together; sliding-window layers are left out, their window "
         "decides what they hold). The median is taken over the keys older than the recent window R (h2o: the heavy "
-        f"hitters its rule kept; policies without a recent window: every kept key):\n\n{age_table}\n\n![ages of the kept keys]({paths['ages'].name})\n")
+        "hitters its rule kept; policies without a recent window: every kept key):\n\n"
+        f"{age_table}\n\n![ages of the kept keys]({paths['ages'].name})\n")
     _plot(paths["plot"], runs, model_name)
     _plot_ages(paths["ages"], runs, model_name)
     return paths
