@@ -91,18 +91,17 @@ def measure(model_name: str, lengths, batches, policies, repeats: int, log=print
 
 
 def peak_rss_mib(model_name: str, contender: str, length: int, batch: int) -> float:
-    """How far one prefill raises the resident set of a fresh process that loaded the model (MiB): the RSS
-    sampled every millisecond during the call, minus the RSS just before it. Freed heap is handed back to the
-    system first (malloc_trim), so the call cannot hide its peak in memory the model load left behind."""
+    """How far one prefill raises the resident set of a fresh process that loaded the model (MiB): the kernel's
+    peak-RSS counter (VmHWM), reset to the current RSS just before the call (/proc/self/clear_refs), minus that
+    RSS. Freed heap is handed back to the system first (malloc_trim), so the call cannot hide its peak in memory
+    the model load left behind. (A sampling thread, the first way tried, starved the call of the GIL: one
+    4096-token H2O prefill ran for 16 minutes.)"""
     code = f"""
-import ctypes, os, sys, threading, torch
+import ctypes, sys, torch
 sys.path.insert(0, {str(ROOT)!r})
 sys.argv = ['x']
 from benchmarks.prefill import load, contenders
-page = os.sysconf('SC_PAGE_SIZE')
-def rss():
-    with open('/proc/self/statm') as f:
-        return int(f.read().split()[1]) * page
+from h2o_compile.bench.machine import peak_rss_kib, reset_peak_rss
 model = load({model_name!r}); model.config._attn_implementation = 'sdpa'
 policies = [{contender.split('-', 1)[1].split('@')[0]!r}] if {contender!r} != 'transformers-sdpa' else []
 run = contenders(model, policies)[{contender!r}]
@@ -110,18 +109,12 @@ prompt = torch.randint(1, model.config.get_text_config().vocab_size, ({batch}, {
 with torch.no_grad():
     run(prompt[:, :64])
     ctypes.CDLL('libc.so.6').malloc_trim(0)
-    before = peak = rss()
-    done = threading.Event()
-    def sample():
-        global peak
-        while not done.is_set():
-            peak = max(peak, rss())
-            done.wait(0.001)
-    sampler = threading.Thread(target=sample); sampler.start()
+    before = reset_peak_rss()
+    if before is None:
+        raise SystemExit('no /proc/self/clear_refs here: peak RSS cannot be reset')
     run(prompt)
-    done.set(); sampler.join()
-    peak = max(peak, rss())
-print((peak - before) / 2**20)
+    peak = peak_rss_kib()
+print((peak - before) / 1024)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
@@ -138,8 +131,8 @@ def write_memory_only(model_name: str, lengths, batches, policies, stem: str, co
     table = [[r["length"], r["batch"], r["contender"], f"{r['peak_rss_growth_mib']:.0f}"] for r in rows]
     Path(stem + ".md").write_text(
         f"# Prefill peak memory on CPU: {model_name}\n\n`{command}`\n\nMachine: {machine}. How far one prefill "
-        "raises the resident set of a fresh process that loaded the model and ran a 64-token warm-up: RSS sampled "
-        "every millisecond during the call minus the RSS just before it (after malloc_trim). H2O at budget 0.2 "
+        "raises the resident set of a fresh process that loaded the model and ran a 64-token warm-up: the kernel's "
+        "peak RSS (VmHWM, reset just before the call) minus the RSS then (after malloc_trim). H2O at budget 0.2 "
         "(reset(batch, prompt + 16), then step(prompt, logits_to_keep=1)); transformers: forward with "
         "use_cache=True, SDPA, logits_to_keep=1, its DynamicCache included.\n\n"
         + markdown_table(["length", "batch", "contender", "peak RSS growth MiB"], table) + "\n")
