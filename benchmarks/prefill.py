@@ -116,7 +116,9 @@ with torch.no_grad():
     peak = peak_rss_kib()
 print((peak - before) / 1024)
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{contender} at {length} tokens, batch {batch} failed:\n{out.stderr[-2000:]}")
     return float(out.stdout.strip().splitlines()[-1])
 
 
