@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from ..arguments import csv_of
-from ..config import POLICIES, POSITIONS
+from ..config import H2OConfig, POLICIES, POSITIONS
 from ..reporting import print_report
 from ..zoo.loading import load_local, model_name
 
@@ -68,8 +68,7 @@ def cmd_stream(args) -> int:
             raise ValueError(f"{name} {bad or values}: choose from {', '.join(allowed)}")
     for rule in args.rules:
         stream_rule_options(rule)  # a bad rule fails before the model loads
-    if not 0.0 <= args.recent_ratio <= 1.0:
-        raise ValueError(f"--recent-ratio {args.recent_ratio}: a share of the cache, in [0, 1]")
+    H2OConfig(recent_ratio=args.recent_ratio)  # H2OConfig's own check, before the model loads
     model, tokenizer = load_local(args.model)
     texts = []
     for path in args.text:
