@@ -17,7 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from h2o_compile.bench.serve import CONTENDERS, MODELS, ServeSettings, plot_serve, run_serve, serve_report  # noqa: E402
+from h2o_compile.arguments import csv_of  # noqa: E402
+from h2o_compile.bench.serve import (CONTENDERS, DEFAULT_TARGETS, MODELS, ServeSettings, plot_serve,  # noqa: E402
+                                     run_serve, serve_report)
 from h2o_compile.reporting import command_line, machine_description, write_json  # noqa: E402
 
 
@@ -34,7 +36,12 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="smoke model, 6 short requests, output under /tmp")
     p.add_argument("--out", help="output prefix (default docs/results/serve_<device>[_gemma3])")
     p.add_argument("--from-json", help="only rewrite the markdown and plot of an earlier run's JSON")
+    p.add_argument("--targets", type=csv_of(float), default=list(DEFAULT_TARGETS),
+                   help="wall-time speed-ups of h2o-compiled the page checks: vs hf-dynamic,vs hf-static-compile "
+                        f"({','.join(map(str, DEFAULT_TARGETS))})")
     args = p.parse_args(argv)
+    if len(args.targets) != 2 or min(args.targets) <= 0:
+        p.error(f"--targets takes two positive speed-ups (vs hf-dynamic, vs hf-static-compile), got {args.targets}")
     settings = dict(model=args.model, requests=args.requests, prompt_min=args.prompt_min,
                     prompt_max=args.prompt_max, new_tokens=args.new_tokens, budget=args.budget,
                     device=args.device, contenders=args.contenders.split(","))
@@ -55,8 +62,9 @@ def main(argv=None) -> int:
         result = run_serve(settings)
         result["command"], result["machine"] = command_line(), machine_description()
         write_json(prefix.with_suffix(".json"), result)
-    prefix.with_suffix(".md").write_text(serve_report(result, result["command"], result["machine"]).replace(
-        "serve_cpu.png", prefix.name + ".png") + f"\n![cumulative wall time]({prefix.name}.png)\n")
+    page = serve_report(result, result["command"], result["machine"], tuple(args.targets))
+    prefix.with_suffix(".md").write_text(page.replace("serve_cpu.png", prefix.name + ".png")
+                                         + f"\n![cumulative wall time]({prefix.name}.png)\n")
     plot_serve(result, prefix.with_suffix(".png"))
     print(prefix.with_suffix(".md").read_text())
     return 0

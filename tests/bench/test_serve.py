@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_compile.bench.serve import (ServeSettings, decode_tokens_per_s, kv_ratios, left_pad, request_batches,
-                                     run_contender, serve_report)
+from h2o_compile.bench.serve import (Server, ServeSettings, decode_tokens_per_s, kv_ratios, left_pad,
+                                     request_batches, run_contender, serve_report)
 
 
 def test_the_stream_is_seeded_and_covers_every_request_once():
@@ -60,3 +60,31 @@ def test_a_contender_serves_the_whole_stream(contender):
         5 * 3 / sum(b["seconds"] - b["prefill_s"] for b in result["batches"]))
     text = serve_report({"settings": vars(settings), "results": [result]}, "cmd", "machine")
     assert f"| {contender} |" in text
+
+
+def test_the_report_checks_each_compiled_h2o_row_against_the_given_targets():
+    settings = ServeSettings(model="smoke", contenders=["h2o-compiled", "h2o-max-autotune", "hf-dynamic",
+                                                        "hf-static-compile"])
+
+    def row(name, wall):  # one batch of 2 requests, prefill a tenth of it
+        return dict(contender=name, wall_s=wall, tokens_per_s=1.0, prefill_s=wall / 10, p50_latency_s=wall,
+                    p95_latency_s=wall, peak_rss_mib=1.0, compiled_graphs=1, probes=[dict(ratio=1.0)],
+                    batches=[dict(batch=2, seconds=wall, prefill_s=wall / 10)])
+
+    result = {"settings": vars(settings), "results": [row("h2o-compiled", 100.0), row("h2o-max-autotune", 40.0),
+                                                      row("hf-dynamic", 120.0), row("hf-static-compile", 90.0)]}
+    text = serve_report(result, "cmd", "machine", targets=(2.5, 1.5))
+    assert "- h2o-compiled total wall time vs hf-dynamic: **1.20x** faster (target >= 2.5x): **missed**" in text
+    assert "- h2o-compiled total wall time vs hf-static-compile: **0.90x** faster (target >= 1.5x): **missed**" in text
+    assert "- h2o-max-autotune total wall time vs hf-dynamic: **3.00x** faster (target >= 2.5x): met" in text
+    assert "- h2o-max-autotune total wall time vs hf-static-compile: **2.25x** faster (target >= 1.5x): met" in text
+
+
+def test_max_autotune_contender_compiles_in_that_mode(monkeypatch):
+    import h2o_compile
+
+    seen = {}
+    monkeypatch.setattr(h2o_compile, "optimize", lambda model, budget, compile: seen.setdefault("compile", compile))
+    settings = ServeSettings(model="smoke", contenders=["h2o-max-autotune"])
+    Server("h2o-max-autotune", object(), settings)
+    assert seen["compile"] == "max-autotune"
