@@ -18,6 +18,12 @@ _COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
 DYNAMIC_SOURCES = r"L\['recent\d+'\],L\['layer\d+_.*'\]:2,L\['(input_ids|position_ids|valid|layer\d+_.*)'\]:0"
 
 
+def freezes_weights(mode: str, device: torch.device) -> bool:
+    """Whether :func:`compile_step` freezes the weights into the compiled step (max-autotune off CUDA), so that
+    Inductor prepacks them for its GEMMs (which needs the linear layers in their usual ``aten.linear`` form)."""
+    return mode == "max-autotune" and device.type != "cuda"
+
+
 def compile_step(fn, mode: str, device: torch.device, dynamic: bool = False):
     """``fn`` under torch.compile (fullgraph) in ``mode``, as H2OModel compiles its decode step; ``dynamic``
     compiles one graph for every size of its inputs (H2OModel: batch and cache slots, see ``_decode_fn``).
@@ -36,7 +42,7 @@ def compile_step(fn, mode: str, device: torch.device, dynamic: bool = False):
     if dynamic:
         patches.append(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SOURCES))
         patches.append(torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True))
-    if mode == "max-autotune" and device.type != "cuda":
+    if freezes_weights(mode, device):
         patches.append(torch._inductor.config.patch(freezing=True))
     if not patches:
         return compiled

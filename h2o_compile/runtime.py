@@ -11,12 +11,13 @@ from torch import Tensor, nn
 
 from . import generation
 from .capture import capture
-from .compiling import check_compile, compile_step
+from .compiling import check_compile, compile_step, freezes_weights
 from .config import H2OConfig
 from .cache_plan import CachePlan
 from .ops import backend_for
 from .passes import (LayerSpec, find_attention_sites, find_rotary, fuse_decode_bookkeeping, last_position_logits,
-                     move_rotary_into_ops, rewrite_attention, runtime_recent_graph, set_h2o_params, state_names)
+                     move_rotary_into_ops, rewrite_attention, runtime_recent_graph, set_h2o_params, state_names,
+                     weight_major_linears)
 from .support import ModelLimits, UnsupportedModelError, check_rolling_fits, check_supported, text_config
 
 
@@ -170,7 +171,11 @@ class H2OModel(nn.Module):
             # kernel already fuses it on GPU). Compile the GraphModule itself, not a method of this class:
             # dynamo counts recompiles per code object, and every graph has its own generated forward, so
             # many H2OModels in one process (an eval sweep) never share one recompile limit.
-            graph = fuse_decode_bookkeeping(self.graph) if backend_for(self.device) == "reference" else self.graph
+            graph = self.graph
+            if backend_for(self.device) == "reference":
+                graph = fuse_decode_bookkeeping(graph)  # a copy, sharing the weights
+                if not freezes_weights(mode, self.device):  # frozen weights are prepacked: keep aten.linear
+                    weight_major_linears(graph)  # few rows per product: the form CPU BLAS streams
             self._compiled_step = compile_step(graph, mode, self.device, dynamic=True)
         compiled, recent = self._compiled_step, self._recent
         return lambda *inputs: compiled(*inputs, *recent, None)  # query_from: decode tokens score as usual

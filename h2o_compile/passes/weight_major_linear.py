@@ -1,0 +1,53 @@
+"""The decode step's linear layers as ``weight @ x^T`` on CPU: the same product, in the form CPU BLAS streams.
+
+A one-token decode step multiplies a few rows (the batch) by every weight matrix: ``x @ W^T`` with x [B, in]
+and W [out, in]. Called that way (``aten.linear`` -> ``mm(x, W.t())``), the CPU GEMM of torch 2.13 packs the
+large transposed operand on each call, so a step that should stream its weights at memory speed reads them
+at a fraction of it; the same product as ``W @ x^T`` (the weight as the left operand, rows of the output
+streamed) does not. Measured on this project's CPU (docs/results/serve_cpu_decode_heavy.md): 60 weights of
+1024 x 512 at two rows, 5.5 GB/s as ``mm(x, W.t())`` vs 17.9 GB/s as ``W @ x.t()``; in the compiled decode
+step of the KV-bound model at batch 2, 57 such products took 16 of its 24 ms.
+
+Only for the one-token step compiled on CPU (H2OModel applies it next to ``fuse_decode_bookkeeping``): the
+prompt's products have many rows, where the usual form is as fast, and GPU GEMMs have no such case.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.fx import GraphModule
+
+_LINEAR = torch.ops.aten.linear.default
+
+
+def linear_weight_major(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``aten.linear(x, weight, bias)`` computed as ``(weight @ x^T)^T``.
+
+    Args:
+        x: [..., in]; weight: [out, in]; bias: [out] or None.
+    Returns:
+        [..., out], as ``torch.nn.functional.linear`` (fp32 sums in another order: equal within rounding).
+    """
+    rows = x.reshape(-1, x.shape[-1])                                              # [N, in]
+    # A row-major copy before the view: ``reshape`` or ``contiguous`` of the transposed [N, out] would ask
+    # whether N == 1 (already contiguous?), a guard that gives a batch of one a compiled step of its own.
+    out = torch.mm(weight, rows.t()).t().clone(memory_format=torch.contiguous_format)  # [N, out]
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def weight_major_linears(gm: GraphModule) -> int:
+    """Rewrite every ``aten.linear`` node of ``gm`` (in place) to :func:`linear_weight_major`; the count."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is _LINEAR:
+            node.target = linear_weight_major
+            count += 1
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return count

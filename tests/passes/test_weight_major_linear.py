@@ -1,0 +1,71 @@
+"""The decode step's linears as weight @ x^T (passes/weight_major_linear.py): the same products as
+``F.linear`` in float64, every ``aten.linear`` of a captured graph rewritten, and the compiled CPU decode step
+built on the rewritten graph (but not under max-autotune, whose frozen weights Inductor prepacks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import h2o_compile
+from h2o_compile import runtime
+from h2o_compile.passes import linear_weight_major, weight_major_linears
+
+from ..runtime.arch_configs import VOCAB, build
+
+_LINEAR = torch.ops.aten.linear.default
+
+
+@pytest.mark.parametrize("shape", [(3, 16), (2, 1, 16), (4, 5, 16)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_equals_f_linear_in_float64(shape, with_bias):
+    gen = torch.Generator().manual_seed(len(shape))
+    x = torch.randn(*shape, generator=gen, dtype=torch.float64)
+    w = torch.randn(24, 16, generator=gen, dtype=torch.float64)
+    b = torch.randn(24, generator=gen, dtype=torch.float64) if with_bias else None
+    out = linear_weight_major(x, w, b)
+    assert out.shape == (*shape[:-1], 24)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-12, atol=1e-12)
+
+
+def _linears(gm) -> int:
+    return sum(n.op == "call_function" and n.target is _LINEAR for n in gm.graph.nodes)
+
+
+def test_every_linear_of_a_captured_graph_is_rewritten_with_the_same_outputs():
+    model = build("llama", seed=3)
+    opt = h2o_compile.optimize(model, budget=5, compile=False)
+    graph = opt.graph
+    before = _linears(graph)
+    assert before == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the output projection
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    opt.reset(2, 12)
+    want = opt.step(ids)
+    state_after = [t.clone() for t in opt.state()]
+
+    assert weight_major_linears(graph) == before
+    assert _linears(graph) == 0
+    assert sum(n.target is linear_weight_major for n in graph.graph.nodes) == before
+    opt.reset(2, 12)
+    torch.testing.assert_close(opt.step(ids), want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(state_after, opt.state()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode,rewritten", [(True, True), ("max-autotune", False)])
+def test_the_compiled_cpu_step_gets_the_rewrite_unless_weights_are_frozen(monkeypatch, mode, rewritten):
+    seen = {}
+
+    def fake_compile_step(graph, mode, device, dynamic=False):
+        seen["graph"] = graph
+        return graph
+
+    monkeypatch.setattr(runtime, "compile_step", fake_compile_step)
+    model = build("llama", seed=3)
+    opt = h2o_compile.optimize(model, budget=5, compile=mode)
+    opt.reset(1, 8)
+    opt.step(torch.tensor([[3, 4, 5]]))
+    opt.step(torch.tensor([[6]]))  # the decode step: built and "compiled" here
+    assert (_linears(seen["graph"]) == 0) == rewritten
+    assert _linears(opt.graph) == 15  # the prompt's graph keeps aten.linear
