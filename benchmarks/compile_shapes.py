@@ -29,9 +29,9 @@ import torch  # noqa: E402
 
 import h2o_compile  # noqa: E402
 from h2o_compile.bench.decode import build_model  # noqa: E402
-from h2o_compile.passes import fuse_decode_bookkeeping  # noqa: E402
 from h2o_compile.reporting import command_line, machine_description, markdown_table, write_json  # noqa: E402
 from h2o_compile.compiling import compile_step  # noqa: E402
+from h2o_compile.runtime import decode_step_graph  # noqa: E402
 
 
 def timed_steps(opt, tokens: torch.Tensor) -> tuple[float, list[float]]:
@@ -61,7 +61,8 @@ def measure(model, shapes, steps: int, budget: float) -> list[dict]:
         shared = opt._compiled_step
         # The same step compiled for exactly this shape, as a bucket would be: a fresh GraphModule (its own
         # code object, so a fresh compile), static shapes.
-        opt._compiled_step = compile_step(fuse_decode_bookkeeping(opt.graph), "default", opt.device, dynamic=False)
+        opt._compiled_step = compile_step(decode_step_graph(opt.graph, "default", opt.device), "default", opt.device,
+                                          dynamic=False)
         compile_static, static = timed_steps(opt, ids[:, total - 2 * steps:total - steps])
         opt._compiled_step = shared
         _, dynamic_again = timed_steps(opt, ids[:, total - steps:])

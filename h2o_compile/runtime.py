@@ -29,6 +29,20 @@ def _positive_ints(name: str, values) -> list[int]:
     return values
 
 
+def decode_step_graph(graph: torch.fx.GraphModule, mode: str, device: torch.device) -> torch.fx.GraphModule:
+    """The graph H2OModel compiles for its one-token step in ``mode``. With the reference backend (CPU) a copy
+    sharing the weights whose eviction bookkeeping is plain torch ops Inductor fuses
+    (passes.fuse_decode_bookkeeping; the Triton decode kernel fuses it on GPU), and on CPU its linear layers as
+    ``weight @ x^T`` (passes/weight_major_linear.py) unless the mode freezes the weights, which Inductor then
+    prepacks in their ``aten.linear`` form."""
+    if backend_for(device) != "reference":
+        return graph
+    step = fuse_decode_bookkeeping(graph)
+    if device.type == "cpu" and not freezes_weights(mode, device):
+        weight_major_linears(step)
+    return step
+
+
 class H2OModel(nn.Module):
     """A causal LM whose KV cache holds at most C slots per layer and KV head (see H2OConfig).
 
@@ -167,16 +181,11 @@ class H2OModel(nn.Module):
         if mode is None:
             return self._run_graph
         if self._compiled_step is None:
-            # On CPU, let Inductor fuse the eviction bookkeeping with the rest of the step (the Triton decode
-            # kernel already fuses it on GPU). Compile the GraphModule itself, not a method of this class:
+            # Compile the GraphModule itself (decode_step_graph: what the step runs), not a method of this class:
             # dynamo counts recompiles per code object, and every graph has its own generated forward, so
             # many H2OModels in one process (an eval sweep) never share one recompile limit.
-            graph = self.graph
-            if backend_for(self.device) == "reference":
-                graph = fuse_decode_bookkeeping(graph)  # a copy, sharing the weights
-                if not freezes_weights(mode, self.device):  # frozen weights are prepacked: keep aten.linear
-                    weight_major_linears(graph)  # few rows per product: the form CPU BLAS streams
-            self._compiled_step = compile_step(graph, mode, self.device, dynamic=True)
+            self._compiled_step = compile_step(decode_step_graph(self.graph, mode, self.device), mode, self.device,
+                                               dynamic=True)
         compiled, recent = self._compiled_step, self._recent
         return lambda *inputs: compiled(*inputs, *recent, None)  # query_from: decode tokens score as usual
 
@@ -376,8 +385,10 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
         compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU) once
             for every batch size and capacity (dynamic shapes; :meth:`H2OModel.warmup` compiles it ahead).
             ``"auto"`` does so on CUDA only: on CPU the one cold compile (~23 s for the benchmarks' KV-bound
-            model) saves 2.5-4 ms per decode step, so it pays back only after some 9,000-58,000 generated
-            tokens (docs/results/compile_shapes.md); eager is the better default for a script that calls
+            model) saved 2.5-4 ms per decode step before the compiled CPU step's linears ran weight-major (it
+            now saves more, about 14 ms at batch 2: docs/results/serve_cpu_decode_heavy.md), so it pays back
+            only after thousands of generated tokens (docs/results/compile_shapes.md, measured before that
+            change); eager is the better default for a script that calls
             generate a few times, ``compile=True`` for a long-running server. A
             torch.compile mode (``"default"``, ``"reduce-overhead"``, ...) compiles with that mode. On CPU
             ``"max-autotune"`` also freezes the weights (see :func:`compile_step`): the fastest CPU decode,

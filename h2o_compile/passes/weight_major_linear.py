@@ -14,6 +14,7 @@ prompt's products have many rows, where the usual form is as fast, and GPU GEMMs
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -40,11 +41,24 @@ def linear_weight_major(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
+def _weight_is_matrix(gm: GraphModule, weight) -> bool:
+    """Whether a linear's weight is a plain 2-D tensor: a 1-D weight, or a parameter that is a tensor subclass
+    (a quantized weight), keeps ``aten.linear``."""
+    if not isinstance(weight, torch.fx.Node):
+        return False
+    if weight.op == "get_attr":
+        value = operator.attrgetter(weight.target)(gm)
+        return type(value) in (Tensor, torch.nn.Parameter) and value.dim() == 2
+    val = weight.meta.get("val")
+    return isinstance(val, Tensor) and val.dim() == 2
+
+
 def weight_major_linears(gm: GraphModule) -> int:
-    """Rewrite every ``aten.linear`` node of ``gm`` (in place) to :func:`linear_weight_major`; the count."""
+    """Rewrite every ``aten.linear`` node of ``gm`` whose weight is a plain matrix (in place) to
+    :func:`linear_weight_major`; the count."""
     count = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is _LINEAR:
+        if node.op == "call_function" and node.target is _LINEAR and _weight_is_matrix(gm, node.args[1]):
             node.target = linear_weight_major
             count += 1
     if count:

@@ -29,6 +29,34 @@ def test_equals_f_linear_in_float64(shape, with_bias):
     torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-12, atol=1e-12)
 
 
+def test_bf16_with_bias_and_a_non_contiguous_input_match_f_linear():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(16, 3, generator=gen).to(torch.bfloat16).t()                  # [3, 16], not contiguous
+    w = torch.randn(24, 16, generator=gen).to(torch.bfloat16)
+    b = torch.randn(24, generator=gen).to(torch.bfloat16)
+    want = F.linear(x.double(), w.double(), b.double())
+    # bf16 products and a bf16 bias add (two roundings of ~2^-8 relative)
+    torch.testing.assert_close(linear_weight_major(x, w, b).double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_linear_whose_weight_is_not_a_matrix_is_left_alone():
+    class OneDim(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8))
+            self.m = torch.nn.Parameter(torch.randn(4, 8))
+
+        def forward(self, x):
+            return torch.ops.aten.linear.default(x, self.w) + torch.ops.aten.linear.default(x, self.m).sum(-1)
+
+    gm = torch.fx.symbolic_trace(OneDim())
+    x = torch.randn(2, 8)
+    want = gm(x)
+    assert weight_major_linears(gm) == 1  # the [4, 8] weight only
+    assert _linears(gm) == 1
+    torch.testing.assert_close(gm(x), want)
+
+
 def _linears(gm) -> int:
     return sum(n.op == "call_function" and n.target is _LINEAR for n in gm.graph.nodes)
 
@@ -53,7 +81,8 @@ def test_every_linear_of_a_captured_graph_is_rewritten_with_the_same_outputs():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mode,rewritten", [(True, True), ("max-autotune", False)])
+@pytest.mark.parametrize("mode,rewritten", [(True, True), ("max-autotune-no-cudagraphs", True),
+                                            ("max-autotune", False)])
 def test_the_compiled_cpu_step_gets_the_rewrite_unless_weights_are_frozen(monkeypatch, mode, rewritten):
     seen = {}
 
