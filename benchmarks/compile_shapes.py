@@ -61,8 +61,11 @@ def measure(model, shapes, steps: int, budget: float) -> list[dict]:
         shared = opt._compiled_step
         # The same step compiled for exactly this shape, as a bucket would be: a fresh GraphModule (its own
         # code object, so a fresh compile), static shapes.
-        opt._compiled_step = compile_step(decode_step_graph(opt.graph, "default", opt.device), "default", opt.device,
-                                          dynamic=False)
+        static_step = compile_step(decode_step_graph(opt.graph, "default", opt.device), "default", opt.device,
+                                   dynamic=False)
+        # A function, as H2OModel's own step: an nn.Module here would become a child module of opt, which the
+        # restore below could not overwrite with a function.
+        opt._compiled_step = lambda *inputs, step=static_step: step(*inputs)
         compile_static, static = timed_steps(opt, ids[:, total - 2 * steps:total - steps])
         opt._compiled_step = shared
         _, dynamic_again = timed_steps(opt, ids[:, total - steps:])
