@@ -385,10 +385,11 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
         compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU) once
             for every batch size and capacity (dynamic shapes; :meth:`H2OModel.warmup` compiles it ahead).
             ``"auto"`` does so on CUDA only: on CPU the one cold compile (~23 s for the benchmarks' KV-bound
-            model) saved 2.5-4 ms per decode step before the compiled CPU step's linears ran weight-major (it
-            now saves more, about 14 ms at batch 2: docs/results/serve_cpu_decode_heavy.md), so it pays back
-            only after thousands of generated tokens (docs/results/compile_shapes.md, measured before that
-            change); eager is the better default for a script that calls
+            model) saved 2.5-4 ms per decode step, so it paid back only after some 9,000-58,000 generated
+            tokens (docs/results/compile_shapes.md, measured before the compiled CPU step's linears ran
+            weight-major, which took its step from 22-26 to 9-12 ms at batch 2 in
+            docs/results/serve_cpu_decode_heavy.md; eager was not re-measured); eager is the better default
+            for a script that calls
             generate a few times, ``compile=True`` for a long-running server. A
             torch.compile mode (``"default"``, ``"reduce-overhead"``, ...) compiles with that mode. On CPU
             ``"max-autotune"`` also freezes the weights (see :func:`compile_step`): the fastest CPU decode,

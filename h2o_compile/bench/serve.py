@@ -30,6 +30,7 @@ import torch
 
 CONTENDERS = ("h2o-compiled", "h2o-max-autotune", "h2o-eager", "hf-dynamic", "hf-static-compile")
 _H2O_COMPILE = {"h2o-compiled": True, "h2o-max-autotune": "max-autotune", "h2o-eager": False}
+_COMPILED_H2O = tuple(name for name, compile in _H2O_COMPILE.items() if compile)  # the rows the targets are for
 MODELS = ("kvbound", "gemma3-270m", "smoke")
 
 
@@ -294,17 +295,16 @@ def serve_report(result: dict, command: str, machine: str, targets: tuple[float,
               " is served twice; the worst ratio of the first call's time to the second's."
               + (f" Note: {result['kv_bytes_note']}." if result.get("kv_bytes_note") else ""), "",
               "## Against the targets", ""]
-    for ours in ("h2o-compiled", "h2o-max-autotune"):
-        for theirs, target in zip(("hf-dynamic", "hf-static-compile"), targets):
-            if ours in rows and theirs in rows:
-                ratio = rows[theirs]["wall_s"] / rows[ours]["wall_s"]
-                verdict = "met" if ratio >= target else "**missed**"
-                lines.append(f"- {ours} total wall time vs {theirs}: **{ratio:.2f}x** faster (target >= {target}x): "
-                             f"{verdict}")
-    for ours in ("h2o-compiled", "h2o-max-autotune"):
+    for ours in _COMPILED_H2O:
         if ours not in rows:
             continue
         r = rows[ours]
+        for theirs, target in zip(("hf-dynamic", "hf-static-compile"), targets):
+            if theirs in rows:
+                ratio = rows[theirs]["wall_s"] / r["wall_s"]
+                verdict = "met" if ratio >= target else "**missed**"
+                lines.append(f"- {ours} total wall time vs {theirs}: **{ratio:.2f}x** faster (target >= {target}x): "
+                             f"{verdict}")
         worst = max(p["ratio"] for p in r["probes"])
         lines.append(f"- {ours}, new prompt length / repeated: **{worst:.2f}x** (target <= 1.3x): "
                      f"{'met' if worst <= 1.3 else '**missed**'}")

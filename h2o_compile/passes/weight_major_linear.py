@@ -1,15 +1,14 @@
 """The decode step's linear layers as ``weight @ x^T`` on CPU: the same product, in the form CPU BLAS streams.
 
 A one-token decode step multiplies a few rows (the batch) by every weight matrix: ``x @ W^T`` with x [B, in]
-and W [out, in]. Called that way (``aten.linear`` -> ``mm(x, W.t())``), the CPU GEMM of torch 2.13 packs the
-large transposed operand on each call, so a step that should stream its weights at memory speed reads them
-at a fraction of it; the same product as ``W @ x^T`` (the weight as the left operand, rows of the output
-streamed) does not. Measured on this project's CPU (docs/results/serve_cpu_decode_heavy.md): 60 weights of
-1024 x 512 at two rows, 5.5 GB/s as ``mm(x, W.t())`` vs 17.9 GB/s as ``W @ x.t()``; in the compiled decode
-step of the KV-bound model at batch 2, 57 such products took 16 of its 24 ms.
+and W [out, in]. Called that way (``aten.linear`` -> ``mm(x, W.t())``), the CPU GEMM of torch 2.13 reads the
+weights at a fraction of memory speed (our reading: it packs the large transposed operand on each call); the
+same product as ``W @ x^T`` (the weight as the left operand) does not. ``benchmarks/linear_layout.py``
+(docs/results/linear_layout_cpu.md): 60 weights of 1024 x 512 at two rows, 7.0 GB/s as ``mm(x, W.t())`` vs
+32.4 GB/s as ``W @ x.t()`` (a plain sum: 28.0 GB/s); at one row both forms read 10 GB/s, at eight 7.1 vs 13.2.
 
-Only for the one-token step compiled on CPU (H2OModel applies it next to ``fuse_decode_bookkeeping``): the
-prompt's products have many rows, where the usual form is as fast, and GPU GEMMs have no such case.
+Only for the one-token step compiled on CPU (``runtime.decode_step_graph``): the prompt's products have many
+rows, where the usual form is as fast, and GPU GEMMs have no such case.
 """
 
 from __future__ import annotations
