@@ -98,3 +98,29 @@ def test_the_compiled_cpu_step_gets_the_rewrite_unless_weights_are_frozen(monkey
     opt.step(torch.tensor([[6]]))  # the decode step: built and "compiled" here
     assert (_linears(seen["graph"]) == 0) == rewritten
     assert _linears(opt.graph) == 15  # the prompt's graph keeps aten.linear
+
+
+def test_the_eager_cpu_step_takes_the_rewrite_from_two_rows_and_matches_aten_linear():
+    model = build("llama", seed=3)
+    opt = h2o_compile.optimize(model, budget=5, compile=False)
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    nxt = torch.randint(1, VOCAB, (2, 4), generator=torch.Generator().manual_seed(2))
+
+    def run(batch: int):
+        opt.reset(batch, 16)
+        logits = [opt.step(ids[:batch])]
+        logits += [opt.step(nxt[:batch, i:i + 1]) for i in range(nxt.shape[1])]
+        return torch.cat(logits, dim=1), [t.clone() for t in opt.state()]
+
+    one_row, _ = run(1)
+    assert opt._eager_step_graph is None  # a single row keeps aten.linear
+    got, got_state = run(2)
+    assert opt._eager_step_graph is not None
+    assert _linears(opt._eager_step_graph) == 0 and _linears(opt.graph) == 15
+    # the same decode through the prompt's graph (aten.linear everywhere) is the reference
+    opt._eager_step_graph = opt.graph
+    want, want_state = run(2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:1], one_row, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_state, want_state):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
