@@ -193,8 +193,8 @@ class H2OModel(nn.Module):
 
     def _eager_decode_step(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor) -> Tensor:
         """The eager one-token step on CPU: with two rows or more its linear layers as ``weight @ x^T``
-        (passes/weight_major_linear.py; kvbound, eager: 23.9 -> 12.9 ms a step at batch 2, 25.2 -> 22.0 ms at 8);
-        a single row keeps ``aten.linear``, which is as fast there (17.5 vs 18.8 ms)."""
+        (passes/weight_major_linear.py; docs/results/eager_decode_layout_cpu.md: 39.2 -> 20.4 ms a step at batch
+        2 on kvbound); a single row keeps ``aten.linear`` (see that page: the batch-1 choice awaits a re-run)."""
         if input_ids.shape[0] == 1:
             return self._run_graph(input_ids, positions, valid, *state)
         if self._eager_step_graph is None:
