@@ -193,8 +193,8 @@ class H2OModel(nn.Module):
 
     def _eager_decode_step(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor) -> Tensor:
         """The eager one-token step on CPU: with two rows or more its linear layers as ``weight @ x^T``
-        (passes/weight_major_linear.py; docs/results/eager_decode_layout_cpu.md: 39.2 -> 20.4 ms a step at batch
-        2 on kvbound); a single row keeps ``aten.linear`` (see that page: the batch-1 choice awaits a re-run)."""
+        (passes/weight_major_linear.py; docs/results/eager_decode_layout_cpu.md: 1.5-1.9x faster a step at batch
+        2 on kvbound); a single row keeps ``aten.linear``, where three runs found no consistent difference."""
         if input_ids.shape[0] == 1:
             return self._run_graph(input_ids, positions, valid, *state)
         if self._eager_step_graph is None:
