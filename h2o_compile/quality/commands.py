@@ -137,7 +137,7 @@ def cmd_tasks(args) -> int:
     filler = tokenizer(text, add_special_tokens=False)["input_ids"]
     samples = [s for task in args.tasks for n in args.lengths
                for s in make_samples(task, tokenizer, filler, n, args.samples, seed=args.seed)
-               if part[0] <= s.index < part[1]]
+               if s.index in part]
     # The task file: the exact prompts and answers, for another program (benchmarks/kvpress_tasks.py).
     write_samples(Path(args.out) / "samples.jsonl", samples, tokenizer, seed=args.seed)
     configs = [] if args.no_full else [TaskConfig("full")]
@@ -151,7 +151,7 @@ def cmd_tasks(args) -> int:
     settings = dict(tasks=args.tasks, lengths=args.lengths, samples=args.samples, seed=args.seed,
                     budgets=args.budgets, policies=args.policies, rules=args.rules,
                     compress_sliding=args.compress_sliding, sink_tokens=args.sink_tokens,
-                    recent_ratios=args.recent_ratios, kv_dtypes=args.kv_dtypes, part=list(part),
+                    recent_ratios=args.recent_ratios, kv_dtypes=args.kv_dtypes, part=_part_setting(part),
                     filler=[Path(p).name for p in args.text])
 
     def write_partial(run):  # an interrupted run keeps the configurations it finished
@@ -162,19 +162,28 @@ def cmd_tasks(args) -> int:
     return 0
 
 
-def parse_part(text, samples: int) -> tuple[int, int]:
-    """--part 'START:STOP' -> (START, STOP): the sample indices [START, STOP) of the --samples grid this run
-    takes (None: all of them), so a run split in parts measures the samples one whole run would."""
+def parse_part(text, samples: int) -> range:
+    """--part 'START:STOP[:STEP]' -> the sample indices range(START, STOP, STEP) of the --samples grid this run
+    takes (None: all of them), so a run split in parts measures the samples one whole run would, and a STEP
+    picks the subset another program scored (``benchmarks/kvpress_tasks.py --every 5`` is '0:50:5')."""
     if text is None:
-        return (0, samples)
-    start, sep, stop = text.partition(":")
+        return range(samples)
+    fields = text.split(":")
     try:
-        part = (int(start or 0), int(stop) if stop else samples)
-    except ValueError:
+        start, stop, step = (int(fields[0] or 0), int(fields[1]) if fields[1] else samples,
+                             int(fields[2]) if len(fields) == 3 and fields[2] else 1)
+        part = range(start, stop, step) if len(fields) <= 3 else None
+    except (ValueError, IndexError):
         part = None
-    if not sep or part is None or not 0 <= part[0] < part[1] <= samples:
-        raise ValueError(f"--part {text!r} must be START:STOP with 0 <= START < STOP <= --samples ({samples})")
+    if part is None or not 0 <= part.start < part.stop <= samples or part.step < 1:
+        raise ValueError(f"--part {text!r} must be START:STOP or START:STOP:STEP with 0 <= START < STOP <= "
+                         f"--samples ({samples}) and STEP >= 1")
     return part
+
+
+def _part_setting(part: range) -> list[int]:
+    """[START, STOP] as the settings always recorded it, [START, STOP, STEP] when a step was given."""
+    return [part.start, part.stop] + ([part.step] if part.step != 1 else [])
 
 
 def cmd_tasks_merge(args) -> int:
@@ -259,7 +268,8 @@ def add_quality_parsers(sub) -> None:
     tk.add_argument("--text", nargs="+", required=True, help="prose text file(s) the filler is cut from")
     tk.add_argument("--seed", type=int, default=0, help="seed of the generated samples (0)")
     tk.add_argument("--part", default=None,
-                    help="START:STOP: run only these sample indices of the --samples grid (split runs; tasks-merge)")
+                    help="START:STOP[:STEP]: run only these sample indices of the --samples grid (split runs, "
+                         "tasks-merge; a STEP picks every STEP-th)")
     tk.add_argument("--out", default="docs/results/tasks", help="folder for tasks.json / .md / .png")
     tk.set_defaults(func=cmd_tasks)
 

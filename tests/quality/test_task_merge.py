@@ -73,9 +73,17 @@ def test_a_disagreeing_score_or_overwriting_a_run_is_refused(runs, tmp_path):
     assert main(["tasks-merge", str(runs["a"]), str(runs["a"]), str(runs["b"])]) == 2
 
 
-def test_bad_part_is_named(runs, model_dir, tmp_path):
-    assert main(["tasks", "--model", str(model_dir), "--samples", "4", "--part", "3:9", "--text", str(runs["text"]),
+def test_a_stepped_part_measures_those_samples_of_the_whole_run(runs, model_dir, tmp_path):
+    every_other = run_tasks_cli(model_dir, runs["text"], tmp_path / "step", "--part", "1:4:2")
+    assert [s.index for s in read_samples(every_other / "samples.jsonl")] == [1, 3]
+    assert _rows(every_other) == [row for row in _rows(runs["whole"]) if row[2] in (1, 3)]
+
+
+@pytest.mark.parametrize("part", ["3:9", "2:1", "0:4:0", "0:4:x", "1:2:3:4", "4"])
+def test_bad_part_is_named(runs, model_dir, tmp_path, part, capsys):
+    assert main(["tasks", "--model", str(model_dir), "--samples", "4", "--part", part, "--text", str(runs["text"]),
                  "--out", str(tmp_path)]) == 2
+    assert f"--part {part!r}" in capsys.readouterr().err
 
 
 def test_bad_kv_dtype_is_named(runs, model_dir, tmp_path, capsys):
