@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=0.2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
+    p.add_argument("--inductor-cache", choices=("cold", "warm"), default="cold",
+                   help="cold: every compile counted (default); warm: a compiling contender is measured on a second "
+                        "run of the stream, its Inductor cache filled by the first (a restarted server)")
     p.add_argument("--smoke", action="store_true", help="smoke model, 6 short requests, output under /tmp")
     p.add_argument("--out", help="output prefix (default docs/results/serve_<device>[_gemma3])")
     p.add_argument("--from-json", help="only rewrite the markdown and plot of an earlier run's JSON")
@@ -44,7 +47,7 @@ def main(argv=None) -> int:
         p.error(f"--targets takes two positive speed-ups (vs hf-dynamic, vs hf-static-compile), got {args.targets}")
     settings = dict(model=args.model, requests=args.requests, prompt_min=args.prompt_min,
                     prompt_max=args.prompt_max, new_tokens=args.new_tokens, budget=args.budget,
-                    device=args.device, contenders=args.contenders.split(","))
+                    device=args.device, contenders=args.contenders.split(","), inductor_cache=args.inductor_cache)
     if args.smoke:
         settings.update(model="smoke", requests=6, prompt_min=16, prompt_max=200, new_tokens=8,
                         probe_lengths=[123], probe_batch=2)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -88,3 +91,33 @@ def test_max_autotune_contender_compiles_in_that_mode(monkeypatch):
     settings = ServeSettings(model="smoke", contenders=["h2o-max-autotune"])
     Server("h2o-max-autotune", object(), settings)
     assert seen["compile"] == "max-autotune"
+
+
+def test_a_warm_inductor_cache_serves_each_compiling_contender_twice_in_one_cache(monkeypatch):
+    """inductor_cache="warm": a compiling contender's first process fills the cache its second one (the measured
+    one) reads; a contender that compiles nothing runs once."""
+    import h2o_compile.bench.serve as serve
+
+    calls = []
+
+    def fake_run(cmd, env, check):
+        name, out = cmd[cmd.index("--worker") + 1], Path(cmd[cmd.index("--out") + 1])
+        calls.append((name, env["TORCHINDUCTOR_CACHE_DIR"]))
+        out.write_text(json.dumps({"contender": name, "wall_s": 10.0 * len(calls), "tokens_per_s": 1.0}))
+
+    monkeypatch.setattr(serve.subprocess, "run", fake_run)
+    settings = ServeSettings(model="smoke", contenders=["h2o-compiled", "hf-dynamic", "hf-static-compile"],
+                             inductor_cache="warm")
+    result = serve.run_serve(settings, log=lambda *_: None)
+    assert [name for name, _ in calls] == ["h2o-compiled", "h2o-compiled", "hf-dynamic", "hf-static-compile",
+                                           "hf-static-compile"]
+    assert calls[0][1] == calls[1][1] != calls[3][1] == calls[4][1]  # one cache per contender, shared by its runs
+    rows = {r["contender"]: r for r in result["results"]}
+    assert (rows["h2o-compiled"]["cold_wall_s"], rows["h2o-compiled"]["wall_s"]) == (10.0, 20.0)
+    assert "cold_wall_s" not in rows["hf-dynamic"]
+    assert (rows["hf-static-compile"]["cold_wall_s"], rows["hf-static-compile"]["wall_s"]) == (40.0, 50.0)
+
+
+def test_inductor_cache_setting_names_the_bad_value():
+    with pytest.raises(ValueError, match="inductor_cache='hot'"):
+        ServeSettings(inductor_cache="hot")
