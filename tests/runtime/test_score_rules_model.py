@@ -20,6 +20,8 @@ RULES = [
     (dict(score_decay=0.0), dict(decay=0.0)),
     (dict(prompt_window=4), dict(prompt_window=4)),
     (dict(prompt_window=5, prompt_pool=3), dict(prompt_window=5, pool=3)),
+    # the prompt rules with a decayed score (the README's setting for retrieval and running text alike)
+    (dict(score_decay=0.9, prompt_window=5, prompt_pool=3), dict(decay=0.9, prompt_window=5, pool=3)),
 ]
 
 
