@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from h2o_compile.arguments import csv_of  # noqa: E402
-from h2o_compile.bench.serve import (CONTENDERS, DEFAULT_TARGETS, MODELS, ServeSettings, plot_serve,  # noqa: E402
-                                     run_serve, serve_report)
+from h2o_compile.bench.serve import (CONTENDERS, DEFAULT_TARGETS, INDUCTOR_CACHES, MODELS, ServeSettings,  # noqa: E402
+                                     plot_serve, run_serve, serve_report)
 from h2o_compile.reporting import command_line, machine_description, write_json  # noqa: E402
 
 
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=0.2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
-    p.add_argument("--inductor-cache", choices=("cold", "warm"), default="cold",
+    p.add_argument("--inductor-cache", choices=INDUCTOR_CACHES, default="cold",
                    help="cold: every compile counted (default); warm: a compiling contender is measured on a second "
                         "run of the stream, its Inductor cache filled by the first (a restarted server)")
     p.add_argument("--smoke", action="store_true", help="smoke model, 6 short requests, output under /tmp")
