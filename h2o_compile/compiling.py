@@ -7,6 +7,8 @@ import contextlib
 import torch
 from torch import nn
 
+from .passes.layer_regions import regional_graph
+
 _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
 
@@ -15,7 +17,9 @@ _COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
 # recent windows (ints), the cache slots (dim 2 of every state tensor) and the batch (dim 0 of every input) are
 # dynamic; compile_step makes the batch size-oblivious, so that a batch of one does not get a graph of its own.
 # Everything else (head counts, head dims, the one-token block) stays static, as do the weights.
-DYNAMIC_SOURCES = r"L\['recent\d+'\],L\['layer\d+_.*'\]:2,L\['(input_ids|position_ids|valid|layer\d+_.*)'\]:0"
+DYNAMIC_SOURCES = (r"L\['recent\d+'\],L\['layer\d+_.*'\]:2,L\['(input_ids|position_ids|valid|layer\d+_.*)'\]:0,"
+                   # compiled by layer (passes/layer_regions.py): values one region passes to another
+                   r"L\['act\d+'\]:0,L\['size\d+'\]")
 
 
 def freezes_weights(mode: str, device: torch.device) -> bool:
@@ -32,18 +36,46 @@ def compile_step(fn, mode: str, device: torch.device, dynamic: bool = False):
     lets Inductor prepack them for its GEMM templates (the small-batch decode matmuls are what this speeds up;
     the packed copy costs a second copy of the weights in memory, and changing the weights afterwards needs
     a new compile)."""
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=_options(fn, mode))
+    return _under(_patches(mode, device, dynamic), compiled)
+
+
+def compile_step_by_layer(gm: torch.fx.GraphModule, mode: str, device: torch.device):
+    """The decode step ``gm`` split at its decoder layers (passes/layer_regions.py), each distinct layer
+    compiled once (dynamic shapes, as :func:`compile_step`) and run for every layer of its kind. Returns the
+    step and the number of distinct regions compiled. Raises ValueError where the split does not apply: a
+    mode that freezes the weights (they are a region's inputs here) or a graph whose layers interleave."""
+    if freezes_weights(mode, device):
+        raise ValueError(f"mode={mode!r} freezes the weights into the step; it compiles whole, not by layer")
+    options = _options(None, mode)
+
+    def compile_region(region: torch.fx.GraphModule):
+        return torch.compile(region, fullgraph=True, dynamic=False, options=options)
+
+    step, distinct = regional_graph(gm, compile_region)
+    return _under(_patches(mode, device, dynamic=True), step), distinct
+
+
+def _options(fn, mode: str) -> dict:
     options = dict(torch._inductor.list_mode_options(mode))
     skip_module_guards = getattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe", None)  # torch >= 2.8
     if isinstance(fn, nn.Module) and skip_module_guards is not None:
         # The graph's weights never change under a compiled step: skip re-checking every parameter per call.
         options["guard_filter_fn"] = skip_module_guards
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    return options
+
+
+def _patches(mode: str, device: torch.device, dynamic: bool) -> list:
     patches = []
     if dynamic:
         patches.append(torch.compiler.config.patch(dynamic_sources=DYNAMIC_SOURCES))
         patches.append(torch.fx.experimental._config.patch(use_duck_shape=False, backed_size_oblivious=True))
     if freezes_weights(mode, device):
         patches.append(torch._inductor.config.patch(freezing=True))
+    return patches
+
+
+def _under(patches: list, compiled):
     if not patches:
         return compiled
 
@@ -64,3 +96,10 @@ def check_compile(compile) -> None:
         return
     raise ValueError(f"compile={compile!r}; allowed: 'auto', True, False or a torch.compile mode "
                      f"({', '.join(map(repr, _COMPILE_MODES))})")
+
+
+def check_regional_compile(regional_compile) -> None:
+    """``regional_compile`` of optimize / H2OModel: "auto" or a bool."""
+    if isinstance(regional_compile, bool) or regional_compile == "auto":
+        return
+    raise ValueError(f"regional_compile={regional_compile!r}; allowed: 'auto', True or False")

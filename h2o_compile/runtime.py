@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from . import generation
 from .capture import capture
-from .compiling import check_compile, compile_step, freezes_weights
+from .compiling import check_compile, check_regional_compile, compile_step, compile_step_by_layer, freezes_weights
 from .config import H2OConfig
 from .cache_plan import CachePlan
 from .ops import backend_for
@@ -19,6 +19,7 @@ from .passes import (LayerSpec, find_attention_sites, find_rotary, fuse_decode_b
                      move_rotary_into_ops, rewrite_attention, runtime_recent_graph, set_h2o_params, state_names,
                      weight_major_linears)
 from .passes.h2o_attention import copy_graph_module
+from .passes.layer_regions import LayersInterleaved
 from .support import ModelLimits, UnsupportedModelError, check_rolling_fits, check_supported, text_config
 
 
@@ -52,15 +53,17 @@ class H2OModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, graph: torch.fx.GraphModule, layers: list[LayerSpec], config: H2OConfig,
-                 limits: ModelLimits, compile: Union[str, bool] = "auto"):
+                 limits: ModelLimits, compile: Union[str, bool] = "auto", regional_compile: Union[str, bool] = "auto"):
         super().__init__()
         check_compile(compile)
+        check_regional_compile(regional_compile)
         self.model = model  # kept for .config / .generation_config; the graph shares its weights
         self.graph = runtime_recent_graph(graph)  # forward(input_ids, position_ids, valid, *state, *recent)
         self.layers = layers
         self.h2o_config = config
         self.limits = limits
         self.compile_mode = compile
+        self.regional_compile = regional_compile
         self.capacity: Optional[int] = None           # C of the full-attention layers (the budget)
         self.layer_capacities: list[int] = []         # slots per layer (sliding-window layers may differ)
         self.max_seq_len: Optional[int] = None
@@ -186,10 +189,31 @@ class H2OModel(nn.Module):
             # Compile the GraphModule itself (decode_step_graph: what the step runs), not a method of this class:
             # dynamo counts recompiles per code object, and every graph has its own generated forward, so
             # many H2OModels in one process (an eval sweep) never share one recompile limit.
-            self._compiled_step = compile_step(decode_step_graph(self.graph, mode, self.device), mode, self.device,
-                                               dynamic=True)
+            step_graph = decode_step_graph(self.graph, mode, self.device)
+            if self._compiles_by_layer(mode):
+                try:
+                    self._compiled_step, _ = compile_step_by_layer(step_graph, mode, self.device)
+                except LayersInterleaved:
+                    if self.regional_compile is True:
+                        raise
+            if self._compiled_step is None:  # whole: asked for, or "auto" on a graph that does not split
+                self._compiled_step = compile_step(step_graph, mode, self.device, dynamic=True)
         compiled, recent = self._compiled_step, self._recent
         return lambda *inputs: compiled(*inputs, *recent, None)  # query_from: decode tokens score as usual
+
+    def _compiles_by_layer(self, mode: str) -> bool:
+        """Whether the compiled step is split at its layers (``regional_compile``; "auto": on CPU, unless the
+        mode freezes the weights)."""
+        if self.regional_compile == "auto":
+            return self.device.type == "cpu" and not freezes_weights(mode, self.device)
+        if self.regional_compile and self.device.type != "cpu":
+            raise ValueError(f"regional_compile=True on {self.device.type}: compiling by layer is built and measured "
+                             "for the CPU step; elsewhere the step compiles whole (on CUDA: one CUDA graph); use "
+                             "regional_compile='auto' or False")
+        if self.regional_compile and freezes_weights(mode, self.device):
+            raise ValueError(f"regional_compile=True with compile={mode!r}: that mode freezes the weights into "
+                             "the step, which then compiles whole; use regional_compile='auto' or False")
+        return bool(self.regional_compile)
 
     def _eager_decode_step(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor) -> Tensor:
         """The eager one-token step on CPU: with two rows or more its linear layers as ``weight @ x^T``
@@ -385,7 +409,8 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
              sink_tokens: Optional[int] = None, policy: str = "h2o", prefill: Union[str, int] = "full",
              seed: int = 0, compress_sliding: bool = False, positions: str = "true", score: str = "sum",
              score_decay: float = 1.0, prompt_window: Optional[int] = None, prompt_pool: int = 1,
-             kv_dtype: str = "model", compile: Union[str, bool] = "auto") -> H2OModel:
+             kv_dtype: str = "model", compile: Union[str, bool] = "auto",
+             regional_compile: Union[str, bool] = "auto") -> H2OModel:
     """Turn a transformers causal LM into an :class:`H2OModel` whose KV cache keeps ``budget`` of the sequence.
 
     Args:
@@ -407,6 +432,10 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
             torch.compile mode (``"default"``, ``"reduce-overhead"``, ...) compiles with that mode. On CPU
             ``"max-autotune"`` also freezes the weights (see :func:`compile_step`): the fastest CPU decode,
             after a longer first compile.
+        regional_compile: compile the step one decoder layer at a time, each kind of layer once, its code run
+            for every layer of that kind (passes/layer_regions.py): a shorter first compile
+            (docs/results/compile_regions_cpu.md). ``"auto"``: on CPU unless the mode freezes the weights;
+            on CUDA the step compiles whole (one CUDA graph).
     """
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
                        prefill=prefill, seed=seed, compress_sliding=compress_sliding, positions=positions,
@@ -414,4 +443,5 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
                        kv_dtype=kv_dtype)
     check_compile(compile)
     graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized)
-    return H2OModel(model, graph, layers, config, limits, compile=compile)
+    check_regional_compile(regional_compile)
+    return H2OModel(model, graph, layers, config, limits, compile=compile, regional_compile=regional_compile)
