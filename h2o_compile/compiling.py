@@ -19,7 +19,7 @@ _COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
 # Everything else (head counts, head dims, the one-token block) stays static, as do the weights.
 DYNAMIC_SOURCES = (r"L\['recent\d+'\],L\['layer\d+_.*'\]:2,L\['(input_ids|position_ids|valid|layer\d+_.*)'\]:0,"
                    # compiled by layer (passes/layer_regions.py): values one region passes to another
-                   r"L\['act\d+'\]:0,L\['size\d+'\]")
+                   r"L\['act\d+'\]:0")
 
 
 def freezes_weights(mode: str, device: torch.device) -> bool:
@@ -99,7 +99,6 @@ def check_compile(compile) -> None:
 
 
 def check_regional_compile(regional_compile) -> None:
-    """``regional_compile`` of optimize / H2OModel: "auto" or a bool."""
-    if isinstance(regional_compile, bool) or regional_compile == "auto":
-        return
-    raise ValueError(f"regional_compile={regional_compile!r}; allowed: 'auto', True or False")
+    """``regional_compile`` of optimize / H2OModel: a bool."""
+    if not isinstance(regional_compile, bool):
+        raise ValueError(f"regional_compile={regional_compile!r}; allowed: True or False")

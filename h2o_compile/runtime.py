@@ -19,7 +19,6 @@ from .passes import (LayerSpec, find_attention_sites, find_rotary, fuse_decode_b
                      move_rotary_into_ops, rewrite_attention, runtime_recent_graph, set_h2o_params, state_names,
                      weight_major_linears)
 from .passes.h2o_attention import copy_graph_module
-from .passes.layer_regions import LayersInterleaved
 from .support import ModelLimits, UnsupportedModelError, check_rolling_fits, check_supported, text_config
 
 
@@ -53,7 +52,7 @@ class H2OModel(nn.Module):
     """
 
     def __init__(self, model: nn.Module, graph: torch.fx.GraphModule, layers: list[LayerSpec], config: H2OConfig,
-                 limits: ModelLimits, compile: Union[str, bool] = "auto", regional_compile: Union[str, bool] = "auto"):
+                 limits: ModelLimits, compile: Union[str, bool] = "auto", regional_compile: bool = False):
         super().__init__()
         check_compile(compile)
         check_regional_compile(regional_compile)
@@ -191,29 +190,22 @@ class H2OModel(nn.Module):
             # many H2OModels in one process (an eval sweep) never share one recompile limit.
             step_graph = decode_step_graph(self.graph, mode, self.device)
             if self._compiles_by_layer(mode):
-                try:
-                    self._compiled_step, _ = compile_step_by_layer(step_graph, mode, self.device)
-                except LayersInterleaved:
-                    if self.regional_compile is True:
-                        raise
-            if self._compiled_step is None:  # whole: asked for, or "auto" on a graph that does not split
+                self._compiled_step, _ = compile_step_by_layer(step_graph, mode, self.device)
+            else:
                 self._compiled_step = compile_step(step_graph, mode, self.device, dynamic=True)
         compiled, recent = self._compiled_step, self._recent
         return lambda *inputs: compiled(*inputs, *recent, None)  # query_from: decode tokens score as usual
 
     def _compiles_by_layer(self, mode: str) -> bool:
-        """Whether the compiled step is split at its layers (``regional_compile``; "auto": on CPU, unless the
-        mode freezes the weights)."""
-        if self.regional_compile == "auto":
-            return self.device.type == "cpu" and not freezes_weights(mode, self.device)
+        """Whether the compiled step is split at its layers (``regional_compile``, CPU only)."""
         if self.regional_compile and self.device.type != "cpu":
             raise ValueError(f"regional_compile=True on {self.device.type}: compiling by layer is built and measured "
                              "for the CPU step; elsewhere the step compiles whole (on CUDA: one CUDA graph); use "
-                             "regional_compile='auto' or False")
+                             "regional_compile=False")
         if self.regional_compile and freezes_weights(mode, self.device):
             raise ValueError(f"regional_compile=True with compile={mode!r}: that mode freezes the weights into "
-                             "the step, which then compiles whole; use regional_compile='auto' or False")
-        return bool(self.regional_compile)
+                             "the step, which then compiles whole; use regional_compile=False")
+        return self.regional_compile
 
     def _eager_decode_step(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor) -> Tensor:
         """The eager one-token step on CPU: with two rows or more its linear layers as ``weight @ x^T``
@@ -410,7 +402,7 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
              seed: int = 0, compress_sliding: bool = False, positions: str = "true", score: str = "sum",
              score_decay: float = 1.0, prompt_window: Optional[int] = None, prompt_pool: int = 1,
              kv_dtype: str = "model", compile: Union[str, bool] = "auto",
-             regional_compile: Union[str, bool] = "auto") -> H2OModel:
+             regional_compile: bool = False) -> H2OModel:
     """Turn a transformers causal LM into an :class:`H2OModel` whose KV cache keeps ``budget`` of the sequence.
 
     Args:
@@ -432,10 +424,11 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
             torch.compile mode (``"default"``, ``"reduce-overhead"``, ...) compiles with that mode. On CPU
             ``"max-autotune"`` also freezes the weights (see :func:`compile_step`): the fastest CPU decode,
             after a longer first compile.
-        regional_compile: compile the step one decoder layer at a time, each kind of layer once, its code run
-            for every layer of that kind (passes/layer_regions.py): a shorter first compile
-            (docs/results/compile_regions_cpu.md). ``"auto"``: on CPU unless the mode freezes the weights;
-            on CUDA the step compiles whole (one CUDA graph).
+        regional_compile: with ``compile`` on CPU, compile the step one decoder layer at a time, each kind of
+            layer once, its code run for every layer of that kind (passes/layer_regions.py): the first compile
+            is 2-3x shorter, each step after it slower by a call per layer (docs/results/compile_regions_cpu.md:
+            10% on Gemma 3 270M); for processes that decode little after they start. Not with a mode that
+            freezes the weights, nor on CUDA (ValueError).
     """
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
                        prefill=prefill, seed=seed, compress_sliding=compress_sliding, positions=positions,

@@ -9,7 +9,8 @@ that compiles serves the stream twice in two fresh processes sharing one Inducto
 the second (a restarted server) is the measured one; Dynamo still traces, Inductor loads its code from disk.
 
 Contenders: ``h2o-compiled`` / ``h2o-eager`` (H2OModel at the budget; ``h2o-max-autotune``: compiled in
-torch.compile's max-autotune mode, which on CPU also freezes and prepacks the weights), ``hf-dynamic``
+torch.compile's max-autotune mode, which on CPU also freezes and prepacks the weights;
+``h2o-compiled-by-layer``: ``regional_compile=True``, each kind of decoder layer compiled once), ``hf-dynamic``
 (transformers' generate, eager, DynamicCache) and ``hf-static-compile`` (transformers' generate with a StaticCache
 of one max_cache_len for the whole stream and its own torch.compile of the decode step, as its docs recommend for
 varying inputs).
@@ -30,8 +31,10 @@ from pathlib import Path
 
 import torch
 
-CONTENDERS = ("h2o-compiled", "h2o-max-autotune", "h2o-eager", "hf-dynamic", "hf-static-compile")
-_H2O_COMPILE = {"h2o-compiled": True, "h2o-max-autotune": "max-autotune", "h2o-eager": False}
+CONTENDERS = ("h2o-compiled", "h2o-compiled-by-layer", "h2o-max-autotune", "h2o-eager", "hf-dynamic",
+              "hf-static-compile")
+_H2O_COMPILE = {"h2o-compiled": True, "h2o-compiled-by-layer": True, "h2o-max-autotune": "max-autotune",
+                "h2o-eager": False}
 _COMPILED_H2O = tuple(name for name, compile in _H2O_COMPILE.items() if compile)  # the rows the targets are for
 MODELS = ("kvbound", "gemma3-270m", "smoke")
 COMPILING = (*_COMPILED_H2O, "hf-static-compile")  # the contenders a warm Inductor cache can speed up
@@ -128,7 +131,8 @@ class Server:
         if name.startswith("h2o"):
             import h2o_compile
 
-            self.h2o = h2o_compile.optimize(model, budget=settings.budget, compile=_H2O_COMPILE[name])
+            self.h2o = h2o_compile.optimize(model, budget=settings.budget, compile=_H2O_COMPILE[name],
+                                            regional_compile=name == "h2o-compiled-by-layer")
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

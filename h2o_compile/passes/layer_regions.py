@@ -27,12 +27,12 @@ from .attention_sites import module_layer
 
 # Region input names, which the compiled step's dynamic-shape rules match (compiling.DYNAMIC_SOURCES): the
 # graph's own placeholders keep their names (input_ids, valid, layer{i}_key, recent{i}, ...), a weight becomes
-# weight{j} (static), a tensor made by another region act{j} (batch-dynamic), a size made there size{j}.
-_WEIGHT, _ACTIVATION, _SIZE = "weight", "act", "size"
+# weight{j} (static), a tensor made by another region act{j} (batch-dynamic). No size is an input (_read).
+_WEIGHT, _ACTIVATION = "weight", "act"
 
 
 class LayersInterleaved(ValueError):
-    """The graph's decoder layers are not consecutive runs of nodes: no region call can express it."""
+    """A region reads a value that a later region computes: regions called one after another cannot run it."""
 
 
 @dataclass
@@ -42,6 +42,7 @@ class Region:
     nodes: list[Node] = field(default_factory=list)
     inputs: list[Node] = field(default_factory=list)   # outside nodes read, in first-use order
     outputs: list[Node] = field(default_factory=list)  # own nodes read outside, in graph order
+    recomputed: list[Node] = field(default_factory=list)  # other regions' sizes computed again here, in order
 
 
 def _assign_regions(gm: GraphModule) -> dict[Node, int]:
@@ -94,9 +95,9 @@ def split_regions(gm: GraphModule) -> tuple[Graph, list[Region]]:
         own = set(region.nodes)
         for node in region.nodes:
             for source in node.all_input_nodes:
-                if source not in own and source not in region.inputs:
-                    region.inputs.append(source)
-        region.outputs = [n for n in region.nodes if any(user not in own for user in n.users)]
+                _read(region, own, source, assigned)
+        # Sizes stay inside: a reader recomputes them from the tensors they measure (see _read).
+        region.outputs = [n for n in region.nodes if not _is_size(n) and any(user not in own for user in n.users)]
 
     outer = Graph()
     env: dict[Node, Node] = {}
@@ -111,14 +112,31 @@ def split_regions(gm: GraphModule) -> tuple[Graph, list[Region]]:
     return outer, regions
 
 
-def region_module(gm: GraphModule, region: Region) -> GraphModule:
+def _read(region: Region, own: set, source: Node, assigned: dict) -> None:
+    """Make ``source``, read by a node of ``region``, available to it: an input, or, for a size another region
+    computed (``batch * seq``, ``x.size(0)``), a copy of its computation read from the tensors it measures.
+    Recomputed, a size stays what it is where it came from (static where the step's shapes are static, a
+    symbol of the batch where they are dynamic); passed as an int input, every size would become a symbol,
+    and Inductor's loops over a dimension of one (the decode step's single token) would no longer be
+    specialized (measured: compile_regions_cpu.md)."""
+    if source in own or source in region.inputs or source in region.recomputed:
+        return
+    if _is_size(source) and source in assigned:
+        for parent in source.all_input_nodes:
+            _read(region, own, parent, assigned)
+        region.recomputed.append(source)
+    else:
+        region.inputs.append(source)
+
+
+def region_module(region: Region) -> GraphModule:
     """``region`` as a GraphModule ``forward(*region.inputs) -> tuple(region.outputs)``; weights are inputs."""
     graph = Graph()
     env: dict[Node, Node] = {}
     for j, source in enumerate(region.inputs):
         env[source] = graph.placeholder(_input_name(source, j))
         env[source].meta = dict(source.meta)
-    for node in region.nodes:
+    for node in region.recomputed + region.nodes:
         env[node] = graph.node_copy(node, lambda a: env[a])
     graph.output(tuple(env[n] for n in region.outputs))
     return GraphModule(torch.nn.Module(), graph)
@@ -129,8 +147,7 @@ def _input_name(source: Node, j: int) -> str:
         return source.name
     if source.op == "get_attr":
         return f"{_WEIGHT}{j}"
-    val = source.meta.get("val")
-    return f"{_ACTIVATION}{j}" if isinstance(val, torch.Tensor) or val is None else f"{_SIZE}{j}"
+    return f"{_ACTIVATION}{j}"
 
 
 def structure(region_gm: GraphModule) -> str:
@@ -164,7 +181,7 @@ def regional_graph(gm: GraphModule, compile_region: Callable[[GraphModule], Call
     shared: dict[str, Callable] = {}
     owners: dict[str, object] = {}
     for i, region in enumerate(regions):
-        module = region_module(gm, region)
+        module = region_module(region)
         key = structure(module)
         if key not in shared:
             shared[key] = compile_region(module)

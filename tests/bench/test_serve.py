@@ -83,14 +83,16 @@ def test_the_report_checks_each_compiled_h2o_row_against_the_given_targets():
     assert "- h2o-max-autotune total wall time vs hf-static-compile: **2.25x** faster (target >= 1.5x): met" in text
 
 
-def test_max_autotune_contender_compiles_in_that_mode(monkeypatch):
+@pytest.mark.parametrize("name,compile,regional", [("h2o-max-autotune", "max-autotune", False),
+                                                   ("h2o-compiled", True, False),
+                                                   ("h2o-compiled-by-layer", True, True)])
+def test_each_h2o_contender_compiles_as_its_name_says(monkeypatch, name, compile, regional):
     import h2o_compile
 
     seen = {}
-    monkeypatch.setattr(h2o_compile, "optimize", lambda model, budget, compile: seen.setdefault("compile", compile))
-    settings = ServeSettings(model="smoke", contenders=["h2o-max-autotune"])
-    Server("h2o-max-autotune", object(), settings)
-    assert seen["compile"] == "max-autotune"
+    monkeypatch.setattr(h2o_compile, "optimize", lambda model, budget, **kw: seen.update(kw))
+    Server(name, object(), ServeSettings(model="smoke", contenders=[name]))
+    assert seen == {"compile": compile, "regional_compile": regional}
 
 
 def test_a_warm_inductor_cache_serves_each_compiling_contender_twice_in_one_cache(monkeypatch):

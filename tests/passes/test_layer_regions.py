@@ -15,6 +15,7 @@ from h2o_compile.passes.layer_regions import (LayersInterleaved, region_module, 
 from h2o_compile.runtime import decode_step_graph
 
 from ..runtime.arch_configs import ARCHITECTURES, HYBRID, VOCAB, build
+from ..runtime.compile_checks import assert_ran_compiled, strict_compile
 
 _CPU = torch.device("cpu")
 
@@ -40,7 +41,7 @@ def _first_decode_inputs(opt, flat, batch: int = 2, prompt: int = 11) -> tuple:
 @pytest.mark.parametrize("name", [*ARCHITECTURES, *HYBRID])
 def test_the_split_step_computes_bit_for_bit_what_the_flat_step_computes(name):
     model = build(name, layers=3, seed=5)
-    opt = h2o_compile.optimize(model, budget=6, compile=True)
+    opt = h2o_compile.optimize(model, budget=6, compile=True, regional_compile=True)
     flat = decode_step_graph(opt.graph, "default", _CPU)
     compiled_once = []
     split, distinct = regional_graph(flat, lambda region: compiled_once.append(region) or region)
@@ -68,7 +69,7 @@ def test_identical_layers_share_one_region_and_the_hybrid_kinds_one_each():
     gemma3 = h2o_compile.optimize(build("gemma3", seed=1), budget=6)  # sliding, full, sliding
     step = decode_step_graph(gemma3.graph, "default", _CPU)
     outer, regions = split_regions(step)
-    keys = [structure(region_module(step, r)) for r in regions]
+    keys = [structure(region_module(r)) for r in regions]
     assert len(keys) == 5 and keys[1] == keys[3] and keys[1] != keys[2]  # sliding layers alike, the full one not
 
 
@@ -97,8 +98,8 @@ def test_regional_compile_picks_the_path_and_checks_its_value(monkeypatch):
     monkeypatch.setattr(runtime, "compile_step_by_layer",
                         lambda gm, *a, **k: calls.append("by-layer") or (gm, 1))
     model = build("llama", seed=2)
-    for regional, mode, want in [("auto", True, "by-layer"), (False, True, "whole"), (True, True, "by-layer"),
-                                 ("auto", "max-autotune", "whole")]:
+    for regional, mode, want in [(False, True, "whole"), (True, True, "by-layer"),
+                                 (True, "max-autotune-no-cudagraphs", "by-layer")]:
         opt = h2o_compile.optimize(model, budget=5, compile=mode, regional_compile=regional)
         opt.reset(1, 8)
         opt.step(torch.tensor([[3, 4, 5]]))
@@ -110,11 +111,11 @@ def test_regional_compile_picks_the_path_and_checks_its_value(monkeypatch):
     opt.step(torch.tensor([[3, 4, 5]]))
     with pytest.raises(ValueError, match="regional_compile=True with compile='max-autotune'"):
         opt.step(torch.tensor([[6]]))
-    with pytest.raises(ValueError, match="regional_compile='yes'; allowed: 'auto', True or False"):
+    with pytest.raises(ValueError, match="regional_compile='yes'; allowed: True or False"):
         h2o_compile.optimize(model, budget=5, regional_compile="yes")
 
 
-def test_by_layer_declines_off_cpu_and_auto_compiles_the_cuda_step_whole(monkeypatch):
+def test_by_layer_declines_off_cpu(monkeypatch):
     model = build("llama", seed=2)
     monkeypatch.setattr(runtime.H2OModel, "device", property(lambda self: torch.device("cuda")))
     assert not h2o_compile.optimize(model, budget=5, compile=True)._compiles_by_layer("reduce-overhead")
@@ -123,21 +124,18 @@ def test_by_layer_declines_off_cpu_and_auto_compiles_the_cuda_step_whole(monkeyp
         opt._compiles_by_layer("reduce-overhead")
 
 
-def test_auto_falls_back_to_the_whole_step_where_the_layers_interleave(monkeypatch):
-    def refuse(gm, *a, **k):
-        raise LayersInterleaved("interleaved")
-
-    whole = []
-    monkeypatch.setattr(runtime, "compile_step_by_layer", refuse)
-    monkeypatch.setattr(runtime, "compile_step", lambda gm, *a, **k: whole.append(gm) or gm)
-    model = build("llama", seed=2)
-    opt = h2o_compile.optimize(model, budget=5, compile=True)
-    opt.reset(1, 8)
-    opt.step(torch.tensor([[3, 4, 5]]))
-    opt.step(torch.tensor([[6]]))
-    assert len(whole) == 1
-    opt = h2o_compile.optimize(model, budget=5, compile=True, regional_compile=True)
-    opt.reset(1, 8)
-    opt.step(torch.tensor([[3, 4, 5]]))
-    with pytest.raises(LayersInterleaved):
-        opt.step(torch.tensor([[6]]))
+@pytest.mark.parametrize("name,graphs", [("llama", 3), ("gemma3", 4)])  # before, one per kind of layer, after
+def test_the_step_compiled_by_layer_decodes_as_eager_and_compiles_each_kind_once(name, graphs):
+    """Two batch sizes and two capacities through one compiled step per kind of layer (no recompile), tokens and
+    kept positions as the eager step's."""
+    model = build(name, layers=3, seed=4)
+    eager = h2o_compile.optimize(model, budget=0.3, compile=False)
+    compiled = h2o_compile.optimize(model, budget=0.3, compile=True, regional_compile=True)
+    gen = torch.Generator().manual_seed(6)
+    with strict_compile():
+        for batch, prompt, new in ((2, 20, 12), (3, 41, 25)):
+            ids = torch.randint(1, VOCAB, (batch, prompt), generator=gen)
+            assert torch.equal(compiled.generate(ids, max_new_tokens=new), eager.generate(ids, max_new_tokens=new))
+            for layer in range(3):
+                assert torch.equal(compiled.kept_positions(layer), eager.kept_positions(layer))
+        assert_ran_compiled(graphs=graphs)

@@ -91,7 +91,6 @@ def test_the_compiled_cpu_step_gets_the_rewrite_unless_weights_are_frozen(monkey
         return graph
 
     monkeypatch.setattr(runtime, "compile_step", fake_compile_step)
-    monkeypatch.setattr(runtime, "compile_step_by_layer", lambda graph, *a: (fake_compile_step(graph, *a), 3))
     model = build("llama", seed=3)
     opt = h2o_compile.optimize(model, budget=5, compile=mode)
     opt.reset(1, 8)

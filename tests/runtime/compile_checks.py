@@ -24,10 +24,3 @@ def assert_ran_compiled(graphs: int) -> None:
     assert dict(counters["graph_break"]) == {}, f"graph breaks: {dict(counters['graph_break'])}"
     assert counters["stats"]["unique_graphs"] == graphs, f"compiled {counters['stats']['unique_graphs']} graphs"
     assert (counters["stats"]["calls_captured"] > 0) == (graphs > 0), "no op was captured into a graph"
-
-
-def step_graphs(layer_kinds: int = 1) -> int:
-    """The graphs of one compiled CPU decode step, which H2OModel compiles by layer (regional_compile="auto",
-    passes/layer_regions.py): what comes before the layers, one graph per kind of decoder layer, what comes
-    after."""
-    return layer_kinds + 2

@@ -9,7 +9,7 @@ import h2o_compile
 
 from ..helpers import CollectStreamer
 from .arch_configs import VOCAB, build
-from .compile_checks import assert_ran_compiled, step_graphs, strict_compile
+from .compile_checks import assert_ran_compiled, strict_compile
 from .hf_simulation import simulate_logits
 
 
@@ -153,8 +153,7 @@ def test_compile_modes_decode_like_eager(llama, mode):
         opt.step(ids[:, :6])
         with strict_compile():
             logits[compile] = [opt.step(ids[:, i:i + 1]) for i in range(6, 9)]
-            # max-autotune freezes the weights into one whole step; other modes compile by layer
-            assert_ran_compiled(graphs=0 if not compile else 1 if compile == "max-autotune" else step_graphs())
+            assert_ran_compiled(graphs=1 if compile else 0)
     for eager, compiled in zip(logits[False], logits[mode]):
         torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-4)
 

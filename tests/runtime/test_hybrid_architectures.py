@@ -13,7 +13,7 @@ import transformers
 import h2o_compile
 
 from .arch_configs import HYBRID, VOCAB, WINDOW, build
-from .compile_checks import assert_ran_compiled, step_graphs, strict_compile
+from .compile_checks import assert_ran_compiled, strict_compile
 from .hf_simulation import simulate_logits
 
 NAMES = list(HYBRID)
@@ -99,7 +99,7 @@ def test_compiled_decode_equals_eager_without_graph_breaks(name):
         for i in range(10, ids.shape[1]):
             torch.testing.assert_close(compiled.step(ids[:, i:i + 1]), eager.step(ids[:, i:i + 1]), rtol=1e-4,
                                        atol=1e-4)
-        assert_ran_compiled(graphs=step_graphs(2))
+        assert_ran_compiled(graphs=1)
     for layer in range(3):
         assert torch.equal(compiled.kept_positions(layer), eager.kept_positions(layer))
 
