@@ -426,8 +426,9 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
             after a longer first compile.
         regional_compile: with ``compile`` on CPU, compile the step one decoder layer at a time, each kind of
             layer once, its code run for every layer of that kind (passes/layer_regions.py): the first compile
-            is 2-3x shorter, each step after it slower by a call per layer (docs/results/compile_regions_cpu.md:
-            10% on Gemma 3 270M); for processes that decode little after they start. Not with a mode that
+            is 2-3.5x shorter, each step after it slower by a compiled call per layer (+5% on Gemma 3 270M,
+            +11-13% on the benchmarks' KV-bound model: docs/results/compile_regions_cpu/compile_regions.md); for
+            processes that compile often and decode little. Not with a mode that
             freezes the weights, nor on CUDA (ValueError).
     """
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
