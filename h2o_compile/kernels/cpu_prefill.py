@@ -7,7 +7,10 @@ on every attention kind), computed differently:
    without materialising probabilities. Each KV head is a batch entry with one key head, so its G query
    heads read the same keys (GQA without repeating K/V) and the visibility mask, which differs between KV
    heads once they evicted different keys, is a [tc, s] bias broadcast over the group.
-2. Only when the eviction rule reads scores (``need_mass``): a second pass over the same query chunks,
+2. Only when the eviction rule reads scores (``need_mass``): a block without padding or window (a prompt, a
+   chunk of one) takes the one-pass op of native_prefill.py, which keeps each query tile's probabilities in
+   cache for both the output and the column sums (no second q.k product); anything else, or where that op
+   cannot be built, a second pass over the same query chunks,
    mass[p] = sum_t w_t sum_g exp(q_t . k_p x scale - lse_t), in fp32 and never more than one chunk of logits.
 
 Learned sink logits fold into the log-sum-exp: lse' = logaddexp(lse, s), and out' = out x exp(lse - lse'),
@@ -21,6 +24,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from . import native_prefill
 
 _LOGITS_PER_CHUNK = 1 << 22  # fp32 logits (and bias entries) held at once: 16 MiB, as reference.attend
 
@@ -91,6 +96,9 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     # masked call over the cache, merged by their LSEs. The causal kernel skips the future half, which a mask
     # cannot tell it to. (A host check, fine in an eager prefill.)
     causal = new_from is not None and window == 0 and bool(query_valid.all())
+    if causal and need_mass and native_prefill.available():
+        out, mass = _one_pass(qf, kf, vf, kpos_all[:, 0, 0, :new_from] >= 0, scale, sink_logits, query_weight)
+        return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
     if causal:
         out, lse = _causal_and_cache(qf, kf, vf, kpos_all[..., :new_from], new_from, scale)
     else:
@@ -116,6 +124,26 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     else:
         mass = torch.zeros(b * hkv, s_all, dtype=torch.float32)
     return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
+
+
+def _one_pass(qf: Tensor, kf: Tensor, vf: Tensor, held: Tensor, scale: float, sink_logits: Optional[Tensor],
+              query_weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """The causal block's output and mass through native_prefill (one q.k product).
+
+    qf: [N, G, T, D]; kf / vf: [N, 1, C + T, D]; held: [N, C] bool. Returns out [N, G, T, Dv], mass [N, C + T]."""
+    n, group, t, _ = qf.shape
+    cap = held.shape[1]
+    sink = weight = None
+    if sink_logits is not None:  # [Hq] -> [N, G]: the same G logits for every batch row of a KV head
+        hkv = sink_logits.numel() // group
+        sink = sink_logits.float().view(1, hkv, group).expand(n // hkv, -1, -1).reshape(n, group)
+    if query_weight is not None:  # [B, T] -> [N, T]: every KV head of a row weighs its queries alike
+        weight = query_weight.float()[:, None, :].expand(-1, n // query_weight.shape[0], -1).reshape(n, t)
+    if cap and not bool(held.any()):  # a first prompt: nothing cached, so no cache columns to compute at all
+        out, mass = native_prefill.causal_attend_with_mass(qf, kf[:, 0, cap:], vf[:, 0, cap:], held[:, :0], scale,
+                                                           sink, weight)
+        return out, torch.cat([mass.new_zeros(n, cap), mass], dim=1)
+    return native_prefill.causal_attend_with_mass(qf, kf[:, 0], vf[:, 0], held, scale, sink, weight)
 
 
 def _left_padding(query_valid: Tensor) -> Optional[list[int]]:

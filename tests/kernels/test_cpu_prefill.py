@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_compile.kernels import cpu_prefill, reference
+from h2o_compile.kernels import cpu_prefill, native_prefill, reference
 
 from ..helpers import sink_logits_for
 
@@ -34,11 +34,22 @@ def _inputs(shape, dtype, seed=0, pad=True):
     return q, keys, values, torch.cat([old, new], dim=2), positions, valid
 
 
+@pytest.fixture(params=["one pass", "two pass"])
+def mass_path(request, monkeypatch):
+    """Both ways to the mass of a causal block: the native one-pass op and, as where it cannot be built, the
+    second q.k pass (the other kinds take the second pass either way)."""
+    if request.param == "two pass":
+        monkeypatch.setitem(native_prefill._state, "loaded", False)
+    else:
+        assert native_prefill.available()  # the machine has a compiler: a failed build is a failure here
+    return request.param
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_hq{}_hkv{}_t{}_c{}_d{}".format(*s))
 @pytest.mark.parametrize("kind", ["plain", "no padding", "window", "sinks", "weights", "sinks no padding",
                                   "prompt window", "prompt window no padding", "window empty cache",
                                   "window empty cache no padding"])
-def test_fused_prefill_equals_the_spec(shape, kind):
+def test_fused_prefill_equals_the_spec(shape, kind, mass_path):
     """Padding or a window take the masked kernel in query chunks; a block without either the causal kernel
     plus one masked call over the cache (an empty cache when C = 0)."""
     q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, pad="no padding" not in kind)
@@ -63,7 +74,7 @@ def test_fused_prefill_equals_the_spec(shape, kind):
                                        need_mass=False, **kw)[1].any()
 
 
-def test_bf16_is_within_its_rounding():
+def test_bf16_is_within_its_rounding(mass_path):
     """bf16 in and out: the output no further from fp32 than the spec's bf16 result (2x), the mass in fp32."""
     shape = (2, 8, 2, 40, 24, 64)
     q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, seed=3)
@@ -107,18 +118,38 @@ def _record_fused_calls(monkeypatch) -> list:
     return calls
 
 
-def test_a_left_padded_batch_takes_the_causal_kernel_row_by_row(monkeypatch):
+def _record_one_pass_calls(monkeypatch) -> list:
+    """(queries, keys) of every native one-pass call until monkeypatch.undo()."""
+    calls = []
+    real = native_prefill.causal_attend_with_mass
+
+    def recording(qf, kf, *args):
+        calls.append((qf.shape[2], kf.shape[1]))
+        return real(qf, kf, *args)
+
+    monkeypatch.setattr(native_prefill, "causal_attend_with_mass", recording)
+    return calls
+
+
+@pytest.mark.parametrize("need_mass", [True, False])
+def test_a_left_padded_batch_takes_the_causal_kernel_row_by_row(monkeypatch, mass_path, need_mass):
     """Prompts of different lengths, left-padded into one block (a serving batch): each row's valid suffix
-    through the causal kernel, none through a mask over the whole prefix; the spec's outputs and mass."""
+    as a causal block of its own (the one-pass op when a rule reads the mass, else torch's causal kernel),
+    none through a mask over the whole prefix; the spec's outputs and mass."""
     shape = (3, 4, 2, 300, 0, 16)
     q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, seed=6)
-    calls = _record_fused_calls(monkeypatch)
-    out, mass = cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, 0.3, new_from=0)
+    one_pass = need_mass and mass_path == "one pass"
+    calls = _record_one_pass_calls(monkeypatch) if one_pass else _record_fused_calls(monkeypatch)
+    out, mass = cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, 0.3, new_from=0,
+                                        need_mass=need_mass)
     monkeypatch.undo()
     want_out, want_mass = reference.attend(q, keys, values, key_pos, positions, valid, 0.3, new_from=0)
     torch.testing.assert_close(out, want_out, rtol=2e-5, atol=2e-5)
-    torch.testing.assert_close(mass, want_mass, rtol=1e-4, atol=1e-4)
-    assert sorted(calls) == [(200, 200, True), (300, 300, True), (300, 300, True)], calls
+    if need_mass:
+        torch.testing.assert_close(mass, want_mass, rtol=1e-4, atol=1e-4)
+    want_calls = [(200, 200), (300, 300), (300, 300)] if one_pass else [(200, 200, True), (300, 300, True),
+                                                                          (300, 300, True)]
+    assert sorted(calls) == want_calls, calls
 
 
 def test_a_window_layer_attends_over_its_span_not_the_prefix(monkeypatch):

@@ -1,0 +1,181 @@
+// The causal prefill of a block with each key's attention mass, in one pass over the logits.
+//
+// torch's fused CPU attention never materialises the probabilities, so the paper's rule (every prompt query
+// adds its attention to every key's score) costs it a second q.k product over the causal triangle. This op
+// computes, per (KV head n, query head g, tile of queries), the tile's logits against every key it can see
+// into a buffer that stays in cache, normalises them once, and reads that buffer twice: the P.V product for
+// the output and a weighted column sum for the mass. One q.k product, one exponential per logit.
+//
+// Semantics (kernels/reference.py `attend`, the executable spec, restricted to what the caller routes here:
+// no padding, no sliding window, no soft-capping; the cached keys all older than the block):
+//   query t of the block sees every held cache slot j < C and the block's keys C .. C + t;
+//   out[n, g, t]  = sum_j p_tj v_j,  p_tj = exp(l_tj - lse_t),  l_tj = scale q_t . k_j,
+//   lse_t         = log(sum_j exp(l_tj) + exp(sink[n, g]))   (no sink term without sinks),
+//   mass[n, j]    = sum_g sum_t w[n, t] p_tj                    (w = 1 without weights).
+// Everything in fp32 (the caller upcasts bf16 / fp16 and casts the output back).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// The lanes of v folded with op (a horizontal max or sum).
+template <typename Op>
+float fold_lanes(const Vec& v, float init, Op op) {
+  float lanes[Vec::size()];
+  v.store(lanes);
+  for (int i = 0; i < Vec::size(); ++i) init = op(init, lanes[i]);
+  return init;
+}
+
+float row_max(const float* row, int64_t n, float start) {
+  Vec best(start);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) best = at::vec::maximum(best, Vec::loadu(row + j));
+  float m = fold_lanes(best, start, [](float a, float b) { return std::max(a, b); });
+  for (; j < n; ++j) m = std::max(m, row[j]);
+  return m;
+}
+
+// row[j] <- exp(row[j] - m) in place; returns their sum. -inf (a hidden key) becomes exactly 0.
+float exp_in_place(float* row, int64_t n, float m) {
+  const Vec shift(m);
+  Vec total(0.f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    Vec p = (Vec::loadu(row + j) - shift).exp_u20();
+    p.store(row + j);
+    total = total + p;
+  }
+  float sum = fold_lanes(total, 0.f, [](float a, float b) { return a + b; });
+  for (; j < n; ++j) {
+    row[j] = std::exp(row[j] - m);
+    sum += row[j];
+  }
+  return sum;
+}
+
+// acc[j] += c * row[j]
+void add_scaled(float* acc, const float* row, int64_t n, float c) {
+  const Vec coef(c);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(acc + j) + coef * Vec::loadu(row + j)).store(acc + j);
+  for (; j < n; ++j) acc[j] += c * row[j];
+}
+
+struct Inputs {
+  at::Tensor q;         // [N, G, T, D]
+  at::Tensor keys;      // [N, S, D], S = C + T
+  at::Tensor values;    // [N, S, Dv]
+  at::Tensor out;       // [N, G, T, Dv]
+  const bool* held;     // [N, C]
+  const float* sink;    // [N, G] or nullptr
+  const float* weight;  // [N, T] or nullptr
+  int64_t G, T, C;
+  float scale;
+};
+
+// One tile: queries [t0, t1) of query head g over KV head n. `logits` holds [t1 - t0, C + t1] floats;
+// `acc` is this thread's mass accumulator for head n ([S]). The two products go through at::mm_out (torch's
+// BLAS, one thread inside the parallel region), on views of the inputs and of the tile's buffer.
+void attend_tile(const Inputs& in, int64_t n, int64_t g, int64_t t0, int64_t t1, float* logits, float* inv,
+                 float* acc) {
+  const int64_t rows = t1 - t0, cols = in.C + t1;
+  const auto q = in.q[n][g].narrow(0, t0, rows);                                  // [rows, D]
+  auto logits_view = at::from_blob(logits, {rows, cols}, in.q.options());  // [rows, cols]
+  // scale x q.k (beta 0: the buffer's old contents are not read)
+  at::addmm_out(logits_view, logits_view, q, in.keys[n].narrow(0, 0, cols).t(), 0.0, in.scale);
+  const bool* held = in.held + n * in.C;
+  const float sink = in.sink ? in.sink[n * in.G + g] : kNegInf;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = logits + r * cols;
+    const int64_t seen = in.C + t0 + r + 1;  // cache slots, then the block up to this query itself
+    for (int64_t j = 0; j < in.C; ++j) {
+      if (!held[j]) row[j] = kNegInf;
+    }
+    std::fill(row + seen, row + cols, 0.f);  // the block's future: zero probability, never read as a logit
+    const float m = row_max(row, seen, sink);  // finite: the query sees at least itself
+    float total = exp_in_place(row, seen, m);
+    if (in.sink) total += std::exp(sink - m);  // a learned sink only adds to the denominator
+    inv[r] = 1.f / total;
+  }
+  auto o = in.out[n][g].narrow(0, t0, rows);                                       // [rows, Dv]
+  at::mm_out(o, logits_view, in.values[n].narrow(0, 0, cols));
+  float* o_ptr = o.data_ptr<float>();
+  const int64_t dv = o.size(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float c = inv[r];
+    for (int64_t d = 0; d < dv; ++d) o_ptr[r * dv + d] *= c;
+    const float w = in.weight ? in.weight[n * in.T + t0 + r] * c : c;
+    if (w != 0.f) add_scaled(acc, logits + r * cols, in.C + t0 + r + 1, w);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> causal_attend_with_mass(
+    const at::Tensor& q_in, const at::Tensor& keys_in, const at::Tensor& values_in, const at::Tensor& held_in,
+    double scale, const std::optional<at::Tensor>& sink_in, const std::optional<at::Tensor>& weight_in,
+    int64_t query_tile) {
+  TORCH_CHECK(q_in.dim() == 4 && keys_in.dim() == 3 && values_in.dim() == 3 && held_in.dim() == 2,
+              "causal_attend_with_mass: q [N, G, T, D], keys [N, C+T, D], values [N, C+T, Dv], held [N, C]");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat && keys_in.scalar_type() == at::kFloat &&
+                  values_in.scalar_type() == at::kFloat && held_in.scalar_type() == at::kBool,
+              "causal_attend_with_mass: fp32 q/keys/values and a bool held mask");
+  TORCH_CHECK(query_tile >= 1, "causal_attend_with_mass: query_tile must be >= 1, got ", query_tile);
+  const auto q = q_in.contiguous(), keys = keys_in.contiguous(), values = values_in.contiguous();
+  const auto held = held_in.contiguous();
+  const int64_t N = q.size(0), G = q.size(1), T = q.size(2), D = q.size(3), C = held.size(1), S = C + T;
+  TORCH_CHECK(keys.size(0) == N && keys.size(1) == S && keys.size(2) == D && values.size(0) == N &&
+                  values.size(1) == S && held.size(0) == N,
+              "causal_attend_with_mass: keys/values must hold the C cached and T block keys of each head");
+  std::optional<at::Tensor> sink, weight;
+  if (sink_in) {
+    sink = sink_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink->numel() == N * G, "causal_attend_with_mass: sink must be [N, G]");
+  }
+  if (weight_in) {
+    weight = weight_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(weight->numel() == N * T, "causal_attend_with_mass: weight must be [N, T]");
+  }
+  auto out = at::empty({N, G, T, values.size(2)}, q.options());
+  const Inputs in{q, keys, values, out, held.data_ptr<bool>(), sink ? sink->data_ptr<float>() : nullptr,
+                  weight ? weight->data_ptr<float>() : nullptr, G, T, C, static_cast<float>(scale)};
+  const int64_t threads = at::get_num_threads();
+  auto partial = at::zeros({threads, N, S}, q.options());  // a mass accumulator per thread: no races
+  float* partial_ptr = partial.data_ptr<float>();
+  const int64_t tiles = (T + query_tile - 1) / query_tile;
+  at::parallel_for(0, N * G * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> logits(query_tile * S), inv(query_tile);
+    float* acc_all = partial_ptr + at::get_thread_num() * N * S;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t head = item / tiles, i = item % tiles;
+      // Tiles in the order first, last, second, second-to-last, ...: a causal tile's cost grows with its
+      // index, so every contiguous range of items (one thread's share) holds light and heavy ones alike.
+      const int64_t tile = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;
+      const int64_t n = head / G, g = head % G, t0 = tile * query_tile;
+      attend_tile(in, n, g, t0, std::min(T, t0 + query_tile), logits.data(), inv.data(), acc_all + n * S);
+    }
+  });
+  return {out, partial.sum(0)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(h2o_cpu, m) {
+  m.def("causal_attend_with_mass(Tensor q, Tensor keys, Tensor values, Tensor held, float scale, Tensor? sink, "
+        "Tensor? weight, int query_tile) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(h2o_cpu, CPU, m) { m.impl("causal_attend_with_mass", &causal_attend_with_mass); }
+

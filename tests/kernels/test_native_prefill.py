@@ -1,0 +1,110 @@
+"""The native one-pass causal prefill (kernels/native/prefill_mass.cc) against a float64 softmax written out in
+full, its build and its fallback; and the op's prefill takes it exactly where a rule reads the mass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2o_compile.kernels import native_prefill, reference
+from h2o_compile.native_build import NativeBuildError
+
+# (N, G, T, C, D): one tile and several (T not a multiple of the 64-query tile), MHA / GQA, an empty cache,
+# one query, a 256-wide head (Gemma 3).
+SHAPES = [(3, 2, 150, 40, 32), (2, 4, 70, 0, 16), (1, 1, 1, 5, 8), (2, 3, 129, 3, 64), (1, 4, 65, 20, 256)]
+
+
+def _brute_force(q, k, v, held, scale, sink, weight):
+    """Every logit in float64, the visibility written as a mask, softmax with the sink as one more column."""
+    n, g, t, _ = q.shape
+    cap = held.shape[1]
+    logits = torch.einsum("ngtd,nsd->ngts", q.double(), k.double()) * scale
+    visible = torch.ones(n, 1, t, cap + t, dtype=torch.bool)
+    visible[..., :cap] = held[:, None, None, :]
+    visible[..., cap:] = torch.ones(t, t, dtype=torch.bool).tril()
+    logits = logits.masked_fill(~visible, float("-inf"))
+    sink_col = (torch.full((n, g, t, 1), float("-inf"), dtype=torch.float64) if sink is None
+                else sink.double()[:, :, None, None].expand(n, g, t, 1))
+    probs = torch.softmax(torch.cat([logits, sink_col], dim=-1), dim=-1)[..., :-1]
+    w = torch.ones(n, t, dtype=torch.float64) if weight is None else weight.double()
+    return torch.einsum("ngts,nsd->ngtd", probs, v.double()), (probs * w[:, None, :, None]).sum(dim=(1, 2))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}_g{}_t{}_c{}_d{}".format(*s))
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("weights", [None, "random", "last 5"])
+def test_one_pass_equals_the_float64_softmax(shape, sinks, weights):
+    n, g, t, cap, d = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    q, k, v = (torch.randn(n, g, t, d, generator=gen), torch.randn(n, cap + t, d, generator=gen),
+               torch.randn(n, cap + t, d, generator=gen))
+    held = torch.rand(n, cap, generator=gen) > 0.3
+    sink = torch.randn(n, g, generator=gen) if sinks else None
+    weight = {None: None, "random": torch.rand(n, t, generator=gen),
+              "last 5": (torch.arange(t) >= t - 5).float().expand(n, t)}[weights]
+    out, mass = native_prefill.causal_attend_with_mass(q, k, v, held, d ** -0.5, sink, weight)
+    want_out, want_mass = _brute_force(q, k, v, held, d ** -0.5, sink, weight)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
+    assert not mass[:, :cap][~held].any()  # an empty slot gets exactly nothing
+
+
+def test_bf16_in_bf16_out_fp32_inside():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 2, 90, 32, generator=gen), torch.randn(2, 100, 32), torch.randn(2, 100, 32)
+    held = torch.ones(2, 10, dtype=torch.bool)
+    low = [x.bfloat16() for x in (q, k, v)]
+    out, mass = native_prefill.causal_attend_with_mass(*low, held, 0.2, None, None)
+    want_out, want_mass = _brute_force(*[x.float() for x in low], held, 0.2, None, None)
+    assert out.dtype == torch.bfloat16 and mass.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-2, atol=1e-2)  # one bf16 rounding of the output
+    torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_shapes_and_dtypes_are_named():
+    native_prefill.available()
+    q, k, held = torch.randn(1, 1, 4, 8), torch.randn(1, 4, 8), torch.ones(1, 0, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="keys/values must hold the C cached and T block keys"):
+        torch.ops.h2o_cpu.causal_attend_with_mass(q, k[:, :3], k, held, 1.0, None, None, 64)
+    with pytest.raises(RuntimeError, match="fp32 q/keys/values"):
+        torch.ops.h2o_cpu.causal_attend_with_mass(q.double(), k, k, held, 1.0, None, None, 64)
+    with pytest.raises(RuntimeError, match="query_tile must be >= 1, got 0"):
+        torch.ops.h2o_cpu.causal_attend_with_mass(q, k, k, held, 1.0, None, None, 0)
+
+
+def test_a_failed_build_names_the_command_and_the_prefill_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("H2O_COMPILE_CACHE", str(tmp_path))
+    fake = tmp_path / "bad-cxx"
+    fake.write_text("#!/bin/sh\necho 'fatal: no' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    with pytest.raises(NativeBuildError, match=r"(?s)native CPU prefill op failed \(exit 3\).*bad-cxx.*"
+                                               r"prefill_mass.cc.*fatal: no"):
+        native_prefill.library_path()
+    monkeypatch.setattr(native_prefill, "_state", {})
+    with pytest.warns(RuntimeWarning, match="(?s)two-pass prefill.*fatal: no"):
+        assert native_prefill.available() is False
+    assert native_prefill.available() is False  # decided once per process
+    monkeypatch.setattr(native_prefill, "_state", {})
+    monkeypatch.setenv("H2O_COMPILE_NATIVE_PREFILL", "0")
+    assert native_prefill.available() is False
+
+
+def test_the_library_is_built_once_per_torch_and_source():
+    path = native_prefill.library_path()
+    assert f"torch-{torch.__version__}-" in str(path) and path == native_prefill.library_path()
+
+
+@pytest.mark.parametrize("policy,taken", [("h2o", True), ("sink", False), ("local", False)])
+def test_the_op_prefill_takes_the_one_pass_where_a_rule_reads_the_mass(monkeypatch, policy, taken):
+    """A first prompt through the whole H2O op: the paper's rule (scores read) through the one-pass op, the rules
+    that read none through torch's fused kernel alone."""
+    calls = []
+    real = native_prefill.causal_attend_with_mass
+    monkeypatch.setattr(native_prefill, "causal_attend_with_mass", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(1, 4, 40, 16, generator=gen), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    positions, valid = torch.arange(40)[None], torch.ones(1, 40, dtype=torch.bool)
+    state = reference.empty_state(1, 2, 8, 16)
+    reference.h2o_attention(q, k, v, positions, valid, state, scale=0.25, recent=4, sinks=0, policy=policy)
+    assert bool(calls) is taken
