@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shlex
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Iterable
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: concurrent first builds then each compile (the rename still keeps them safe)
+    fcntl = None
 
 
 class NativeBuildError(RuntimeError):
@@ -36,9 +42,22 @@ def compiler(purpose: str) -> str:
     return cxx
 
 
+def _machine() -> str:
+    """The architecture and, on Linux, the CPU's feature flags: a library built with -march=native for one CPU
+    must not be loaded on another that shares the cache (a network home, a baked image) and lacks some."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + "\0" + flags
+
+
 def digest(directory: Path, files: Iterable[str], command: Iterable[str]) -> str:
-    """16 hex digits of the command and the named sources' bytes: a new source or flag is a new library."""
-    h = hashlib.sha256(" ".join(command).encode())
+    """16 hex digits of the command, the machine and the named sources' bytes: a new source, flag or CPU is a
+    new library."""
+    h = hashlib.sha256(" ".join(command).encode() + b"\0" + _machine().encode())
     for name in files:
         h.update(name.encode() + b"\0" + (directory / name).read_bytes())
     return h.hexdigest()[:16]
@@ -51,6 +70,17 @@ def compile_cached(target: Path, command: list[str], source: Path, what: str, *,
     if target.is_file() and not rebuild:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time per library (test workers, serving processes starting together): the others wait
+    # for it and then find the library built.
+    with open(target.parent / ".lock", "w") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file() and not rebuild:
+            return target
+        return _compile(target, command, source, what, link)
+
+
+def _compile(target: Path, command: list[str], source: Path, what: str, link: Iterable[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     full = [*command, "-o", tmp, str(source), *link]

@@ -34,3 +34,14 @@ def stop_string_tokenizer(vocab: int):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.decoder = decoders.WordPiece()  # joins words with spaces
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def has_compiler() -> bool:
+    """Whether a C++ compiler is on this machine (the native ops are built with it on first use)."""
+    from h2o_compile.native_build import NativeBuildError, compiler
+
+    try:
+        compiler("")
+    except NativeBuildError:
+        return False
+    return True

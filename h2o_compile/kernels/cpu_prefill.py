@@ -97,7 +97,9 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     # cannot tell it to. (A host check, fine in an eager prefill.)
     causal = new_from is not None and window == 0 and bool(query_valid.all())
     if causal and need_mass and native_prefill.available():
-        out, mass = _one_pass(qf, kf, vf, kpos_all[:, 0, 0, :new_from] >= 0, scale, sink_logits, query_weight)
+        # The cache as stored (the op computes in fp32): no rounding of an fp32 cache to the queries' dtype.
+        out, mass = _one_pass(qf, keys.reshape(b * hkv, s_all, d), values.reshape(b * hkv, s_all, dv),
+                              kpos_all[:, 0, 0, :new_from] >= 0, scale, sink_logits, query_weight)
         return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
     if causal:
         out, lse = _causal_and_cache(qf, kf, vf, kpos_all[..., :new_from], new_from, scale)
@@ -130,7 +132,8 @@ def _one_pass(qf: Tensor, kf: Tensor, vf: Tensor, held: Tensor, scale: float, si
               query_weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """The causal block's output and mass through native_prefill (one q.k product).
 
-    qf: [N, G, T, D]; kf / vf: [N, 1, C + T, D]; held: [N, C] bool. Returns out [N, G, T, Dv], mass [N, C + T]."""
+    qf: [N, G, T, D]; kf: [N, C + T, D]; vf: [N, C + T, Dv]; held: [N, C] bool.
+    Returns out [N, G, T, Dv] and mass [N, C + T] fp32."""
     n, group, t, _ = qf.shape
     cap = held.shape[1]
     sink = weight = None
@@ -140,10 +143,10 @@ def _one_pass(qf: Tensor, kf: Tensor, vf: Tensor, held: Tensor, scale: float, si
     if query_weight is not None:  # [B, T] -> [N, T]: every KV head of a row weighs its queries alike
         weight = query_weight.float()[:, None, :].expand(-1, n // query_weight.shape[0], -1).reshape(n, t)
     if cap and not bool(held.any()):  # a first prompt: nothing cached, so no cache columns to compute at all
-        out, mass = native_prefill.causal_attend_with_mass(qf, kf[:, 0, cap:], vf[:, 0, cap:], held[:, :0], scale,
-                                                           sink, weight)
+        out, mass = native_prefill.causal_attend_with_mass(qf, kf[:, cap:], vf[:, cap:], held[:, :0], scale, sink,
+                                                           weight)
         return out, torch.cat([mass.new_zeros(n, cap), mass], dim=1)
-    return native_prefill.causal_attend_with_mass(qf, kf[:, 0], vf[:, 0], held, scale, sink, weight)
+    return native_prefill.causal_attend_with_mass(qf, kf, vf, held, scale, sink, weight)
 
 
 def _left_padding(query_valid: Tensor) -> Optional[list[int]]:

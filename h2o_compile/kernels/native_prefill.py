@@ -11,6 +11,7 @@ so once (a warning naming the compiler's message); ``H2O_COMPILE_NATIVE_PREFILL=
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..native_build import NativeBuildError, cache_root, compile_cached, compiler, digest
+from ..native_build import cache_root, compile_cached, compiler, digest
 
 HERE = Path(__file__).resolve().parent / "native"
 SOURCE = "prefill_mass.cc"
@@ -30,18 +31,17 @@ _state: dict[str, object] = {}  # "loaded": bool once tried; "why": the reason i
 
 def _command() -> tuple[list[str], list[str]]:
     """(compile command without output / source, link arguments) for this torch."""
-    from torch.utils.cpp_extension import include_paths
-
-    lib = Path(torch.__file__).resolve().parent / "lib"
+    root = Path(torch.__file__).resolve().parent  # the wheel's own headers and libraries
+    lib, include = root / "lib", root / "include"
     flags = [compiler("the native CPU prefill is compiled on first use"), "-std=c++20", "-O3", "-march=native",
-             "-fopenmp", "-fPIC", "-shared", "-w",
+             "-fopenmp", "-fPIC", "-shared",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
     # ATen's Vectorized<float> picks its instructions from CPU_CAPABILITY: the widest this machine runs
     # (-march=native compiles for it). Anything else takes ATen's portable vectors.
     capability = torch.backends.cpu.get_cpu_capability()
     if capability in ("AVX2", "AVX512"):
         flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
-    flags += [f"-I{path}" for path in include_paths()]
+    flags += [f"-I{include}", f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}"]
     return flags, [f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"]
 
 
@@ -66,11 +66,24 @@ def available() -> bool:
             if not hasattr(torch.ops.h2o_cpu, "causal_attend_with_mass"):  # registered once per process
                 torch.ops.load_library(str(path))
             _state.update(loaded=True)
-        except (NativeBuildError, OSError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure to build or load means: the two-pass path
             _state.update(loaded=False, why=str(exc))
             warnings.warn("h2o_compile: the one-pass CPU prefill could not be built, so rules that read scores "
                           f"take the two-pass prefill (slower, same result): {exc}", RuntimeWarning, stacklevel=2)
     return bool(_state["loaded"])
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within the block, the prefill takes the two-pass path, as where the op cannot be built (benchmarks and
+    tests compare the two)."""
+    saved = dict(_state)
+    _state.update(loaded=False, why="disabled()")
+    try:
+        yield
+    finally:
+        _state.clear()
+        _state.update(saved)
 
 
 def causal_attend_with_mass(qf: Tensor, kf: Tensor, vf: Tensor, held: Tensor, scale: float,

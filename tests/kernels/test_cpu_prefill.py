@@ -9,7 +9,7 @@ import torch
 
 from h2o_compile.kernels import cpu_prefill, native_prefill, reference
 
-from ..helpers import sink_logits_for
+from ..helpers import has_compiler, sink_logits_for
 
 # (B, Hq, Hkv, T, C, D): MHA, GQA, MQA, one query chunk and several (T x S above the chunk size)
 SHAPES = [(2, 4, 4, 7, 5, 16), (3, 8, 2, 33, 17, 32), (2, 8, 1, 20, 0, 64), (1, 4, 2, 1200, 900, 16)]
@@ -40,8 +40,10 @@ def mass_path(request, monkeypatch):
     second q.k pass (the other kinds take the second pass either way)."""
     if request.param == "two pass":
         monkeypatch.setitem(native_prefill._state, "loaded", False)
+    elif not has_compiler():
+        pytest.skip("no C++ compiler here: the one-pass op cannot be built (the two-pass rows still run)")
     else:
-        assert native_prefill.available()  # the machine has a compiler: a failed build is a failure here
+        assert native_prefill.available()  # with a compiler, a failed build is a failure
     return request.param
 
 

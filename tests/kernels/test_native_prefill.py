@@ -9,6 +9,10 @@ import torch
 from h2o_compile.kernels import native_prefill, reference
 from h2o_compile.native_build import NativeBuildError
 
+from ..helpers import has_compiler
+
+needs_compiler = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler: the op cannot be built here")
+
 # (N, G, T, C, D): one tile and several (T not a multiple of the 64-query tile), MHA / GQA, an empty cache,
 # one query, a 256-wide head (Gemma 3).
 SHAPES = [(3, 2, 150, 40, 32), (2, 4, 70, 0, 16), (1, 1, 1, 5, 8), (2, 3, 129, 3, 64), (1, 4, 65, 20, 256)]
@@ -33,6 +37,7 @@ def _brute_force(q, k, v, held, scale, sink, weight):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}_g{}_t{}_c{}_d{}".format(*s))
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("weights", [None, "random", "last 5"])
+@needs_compiler
 def test_one_pass_equals_the_float64_softmax(shape, sinks, weights):
     n, g, t, cap, d = shape
     gen = torch.Generator().manual_seed(sum(shape))
@@ -49,6 +54,7 @@ def test_one_pass_equals_the_float64_softmax(shape, sinks, weights):
     assert not mass[:, :cap][~held].any()  # an empty slot gets exactly nothing
 
 
+@needs_compiler
 def test_bf16_in_bf16_out_fp32_inside():
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 2, 90, 32, generator=gen), torch.randn(2, 100, 32), torch.randn(2, 100, 32)
@@ -61,6 +67,7 @@ def test_bf16_in_bf16_out_fp32_inside():
     torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
 
 
+@needs_compiler
 def test_bad_shapes_and_dtypes_are_named():
     native_prefill.available()
     q, k, held = torch.randn(1, 1, 4, 8), torch.randn(1, 4, 8), torch.ones(1, 0, dtype=torch.bool)
@@ -90,11 +97,13 @@ def test_a_failed_build_names_the_command_and_the_prefill_falls_back(monkeypatch
     assert native_prefill.available() is False
 
 
+@needs_compiler
 def test_the_library_is_built_once_per_torch_and_source():
     path = native_prefill.library_path()
     assert f"torch-{torch.__version__}-" in str(path) and path == native_prefill.library_path()
 
 
+@needs_compiler
 @pytest.mark.parametrize("policy,taken", [("h2o", True), ("sink", False), ("local", False)])
 def test_the_op_prefill_takes_the_one_pass_where_a_rule_reads_the_mass(monkeypatch, policy, taken):
     """A first prompt through the whole H2O op: the paper's rule (scores read) through the one-pass op, the rules

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -49,7 +50,9 @@ float row_max(const float* row, int64_t n, float start) {
   return m;
 }
 
-// row[j] <- exp(row[j] - m) in place; returns their sum. -inf (a hidden key) becomes exactly 0.
+// row[j] <- exp(row[j] - m) in place; returns their sum. -inf (a hidden key) becomes exactly 0. ATen's
+// exp_u20 (the exponential torch's own CPU flash attention uses) is within ~2e-6 relative of the exact one;
+// it clamps a NaN logit instead of propagating it, which the spec's softmax would.
 float exp_in_place(float* row, int64_t n, float m) {
   const Vec shift(m);
   Vec total(0.f);
@@ -88,8 +91,8 @@ struct Inputs {
 };
 
 // One tile: queries [t0, t1) of query head g over KV head n. `logits` holds [t1 - t0, C + t1] floats;
-// `acc` is this thread's mass accumulator for head n ([S]). The two products go through at::mm_out (torch's
-// BLAS, one thread inside the parallel region), on views of the inputs and of the tile's buffer.
+// `acc` is this range's mass accumulator for head n ([S]). The two products go through torch's BLAS
+// (at::addmm_out / at::mm_out, one thread inside the parallel region) on views of the inputs and the buffer.
 void attend_tile(const Inputs& in, int64_t n, int64_t g, int64_t t0, int64_t t1, float* logits, float* inv,
                  float* acc) {
   const int64_t rows = t1 - t0, cols = in.C + t1;
@@ -151,23 +154,41 @@ std::tuple<at::Tensor, at::Tensor> causal_attend_with_mass(
   auto out = at::empty({N, G, T, values.size(2)}, q.options());
   const Inputs in{q, keys, values, out, held.data_ptr<bool>(), sink ? sink->data_ptr<float>() : nullptr,
                   weight ? weight->data_ptr<float>() : nullptr, G, T, C, static_cast<float>(scale)};
-  const int64_t threads = at::get_num_threads();
-  auto partial = at::zeros({threads, N, S}, q.options());  // a mass accumulator per thread: no races
-  float* partial_ptr = partial.data_ptr<float>();
-  const int64_t tiles = (T + query_tile - 1) / query_tile;
-  at::parallel_for(0, N * G * tiles, 1, [&](int64_t begin, int64_t end) {
+  // Each range of work items (a thread's share) sums the mass of the KV heads it touches into its own
+  // buffer; the buffers are added in the order of their ranges afterwards: no shared writes, no dependence on
+  // the OpenMP runtime's thread numbering, and the same sum for the same thread count on every run.
+  struct RangeMass {
+    int64_t begin, first_head;
+    std::vector<float> mass;  // [heads in the range, S]
+  };
+  std::vector<RangeMass> ranges;
+  std::mutex ranges_lock;
+  const int64_t tiles = (T + query_tile - 1) / query_tile, per_head = G * tiles;
+  at::parallel_for(0, N * per_head, 1, [&](int64_t begin, int64_t end) {
+    const int64_t first_head = begin / per_head, heads = (end - 1) / per_head - first_head + 1;
+    RangeMass local{begin, first_head, std::vector<float>(heads * S, 0.f)};
     std::vector<float> logits(query_tile * S), inv(query_tile);
-    float* acc_all = partial_ptr + at::get_thread_num() * N * S;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t head = item / tiles, i = item % tiles;
       // Tiles in the order first, last, second, second-to-last, ...: a causal tile's cost grows with its
       // index, so every contiguous range of items (one thread's share) holds light and heavy ones alike.
       const int64_t tile = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;
       const int64_t n = head / G, g = head % G, t0 = tile * query_tile;
-      attend_tile(in, n, g, t0, std::min(T, t0 + query_tile), logits.data(), inv.data(), acc_all + n * S);
+      attend_tile(in, n, g, t0, std::min(T, t0 + query_tile), logits.data(), inv.data(),
+                  local.mass.data() + (n - first_head) * S);
     }
+    std::lock_guard<std::mutex> guard(ranges_lock);
+    ranges.push_back(std::move(local));
   });
-  return {out, partial.sum(0)};
+  std::sort(ranges.begin(), ranges.end(),
+            [](const RangeMass& a, const RangeMass& b) { return a.begin < b.begin; });
+  auto mass = at::zeros({N, S}, q.options());
+  float* mass_ptr = mass.data_ptr<float>();
+  for (const RangeMass& range : ranges) {
+    float* dst = mass_ptr + range.first_head * S;
+    for (size_t j = 0; j < range.mass.size(); ++j) dst[j] += range.mass[j];
+  }
+  return {out, mass};
 }
 
 }  // namespace
