@@ -7,10 +7,11 @@ on every attention kind), computed differently:
    without materialising probabilities. Each KV head is a batch entry with one key head, so its G query
    heads read the same keys (GQA without repeating K/V) and the visibility mask, which differs between KV
    heads once they evicted different keys, is a [tc, s] bias broadcast over the group.
-2. Only when the eviction rule reads scores (``need_mass``): a block without padding or window (a prompt, a
-   chunk of one) takes the one-pass op of native_prefill.py, which keeps each query tile's probabilities in
-   cache for both the output and the column sums (no second q.k product); anything else, or where that op
-   cannot be built, a second pass over the same query chunks,
+2. Only when the eviction rule reads scores (``need_mass``): a block without padding (a prompt, a chunk of one,
+   each row of a left-padded batch; any window) takes the one-pass op of native_prefill.py, which keeps each
+   query tile's probabilities in cache for both the output and the column sums (no second q.k product); so
+   does a window layer's block whatever the rule. Where that op cannot be built, the fused kernel and then a
+   second pass over the same query chunks,
    mass[p] = sum_t w_t sum_g exp(q_t . k_p x scale - lse_t), in fp32 and never more than one chunk of logits.
 
 Learned sink logits fold into the log-sum-exp: lse' = logaddexp(lse, s), and out' = out x exp(lse - lse'),
@@ -95,12 +96,17 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     # A block without padding or window (a prompt, a chunk of one): the causal kernel over its own keys plus one
     # masked call over the cache, merged by their LSEs. The causal kernel skips the future half, which a mask
     # cannot tell it to. (A host check, fine in an eager prefill.)
-    causal = new_from is not None and window == 0 and bool(query_valid.all())
-    if causal and need_mass and native_prefill.available():
+    unpadded = new_from is not None and bool(query_valid.all())
+    # The one-pass op where a rule reads the mass, and on a window layer whatever the rule: it computes only the
+    # window's columns per query tile, which beats the masked fused kernel in chunks even without the mass
+    # (Gemma 3's W = 512 layers at 1024 tokens: 16 vs 35 ms). Zero weights then skip the column sums.
+    if unpadded and (need_mass or window > 0) and native_prefill.available():
+        weight = query_weight if need_mass else torch.zeros(b, t)
         # The cache as stored (the op computes in fp32): no rounding of an fp32 cache to the queries' dtype.
         out, mass = _one_pass(qf, keys.reshape(b * hkv, s_all, d), values.reshape(b * hkv, s_all, dv),
-                              kpos_all[:, 0, 0, :new_from] >= 0, scale, sink_logits, query_weight)
+                              kpos_all[:, 0, 0, :new_from], query_pos, window, scale, sink_logits, weight)
         return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
+    causal = unpadded and window == 0
     if causal:
         out, lse = _causal_and_cache(qf, kf, vf, kpos_all[..., :new_from], new_from, scale)
     else:
@@ -128,25 +134,26 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
 
 
-def _one_pass(qf: Tensor, kf: Tensor, vf: Tensor, held: Tensor, scale: float, sink_logits: Optional[Tensor],
-              query_weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """The causal block's output and mass through native_prefill (one q.k product).
+def _one_pass(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tensor, query_pos: Tensor, window: int, scale: float,
+              sink_logits: Optional[Tensor], query_weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """An unpadded block's output and mass through native_prefill (one q.k product).
 
-    qf: [N, G, T, D]; kf: [N, C + T, D]; vf: [N, C + T, Dv]; held: [N, C] bool.
+    qf: [N, G, T, D]; kf: [N, C + T, D]; vf: [N, C + T, Dv]; cache_pos: [N, C] (-1 = empty); query_pos: [B, T].
     Returns out [N, G, T, Dv] and mass [N, C + T] fp32."""
     n, group, t, _ = qf.shape
-    cap = held.shape[1]
+    cap = cache_pos.shape[1]
+    rows = query_pos.shape[0]
     sink = weight = None
     if sink_logits is not None:  # [Hq] -> [N, G]: the same G logits for every batch row of a KV head
-        hkv = sink_logits.numel() // group
-        sink = sink_logits.float().view(1, hkv, group).expand(n // hkv, -1, -1).reshape(n, group)
+        sink = sink_logits.float().view(1, n // rows, group).expand(rows, -1, -1).reshape(n, group)
     if query_weight is not None:  # [B, T] -> [N, T]: every KV head of a row weighs its queries alike
-        weight = query_weight.float()[:, None, :].expand(-1, n // query_weight.shape[0], -1).reshape(n, t)
-    if cap and not bool(held.any()):  # a first prompt: nothing cached, so no cache columns to compute at all
-        out, mass = native_prefill.causal_attend_with_mass(qf, kf[:, cap:], vf[:, cap:], held[:, :0], scale, sink,
-                                                           weight)
+        weight = query_weight.float()[:, None, :].expand(-1, n // rows, -1).reshape(n, t)
+    positions = query_pos[:, None, :].expand(-1, n // rows, -1).reshape(n, t)
+    if cap and not bool((cache_pos >= 0).any()):  # a first prompt: nothing cached, so no cache columns at all
+        out, mass = native_prefill.causal_attend_with_mass(qf, kf[:, cap:], vf[:, cap:], cache_pos[:, :0], positions,
+                                                           window, scale, sink, weight)
         return out, torch.cat([mass.new_zeros(n, cap), mass], dim=1)
-    return native_prefill.causal_attend_with_mass(qf, kf, vf, held, scale, sink, weight)
+    return native_prefill.causal_attend_with_mass(qf, kf, vf, cache_pos, positions, window, scale, sink, weight)
 
 
 def _left_padding(query_valid: Tensor) -> Optional[list[int]]:

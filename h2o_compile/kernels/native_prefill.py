@@ -1,4 +1,4 @@
-"""The one-pass causal prefill with each key's mass (kernels/native/prefill_mass.cc): built against the installed
+"""The one-pass prefill with each key's mass (kernels/native/prefill_mass.cc): built against the installed
 torch on first use, loaded as ``torch.ops.h2o_cpu.causal_attend_with_mass``.
 
 torch's fused CPU attention returns the output and each query's log-sum-exp but not the probabilities, so a
@@ -86,14 +86,15 @@ def disabled():
         _state.update(saved)
 
 
-def causal_attend_with_mass(qf: Tensor, kf: Tensor, vf: Tensor, held: Tensor, scale: float,
-                            sink: Optional[Tensor], weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """The block's causal attention over its C cached and T own keys, and each key's mass, in one pass.
+def causal_attend_with_mass(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tensor, query_pos: Tensor, window: int,
+                            scale: float, sink: Optional[Tensor], weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """A block's attention over its C cached and T own keys, and each key's mass, in one pass.
 
     Args:
         qf: [N, G, T, D] (N = B x Hkv, G query heads per KV head); kf: [N, C + T, D]; vf: [N, C + T, Dv];
-        held: [N, C] bool (the cached slots that hold a key; all older than the block);
-        sink: [N, G] learned sink logits or None; weight: [N, T] fp32 query weights or None (all ones).
+        cache_pos: [N, C] int64 positions of the cached keys (-1 = an empty slot); query_pos: [N, T] int64, increasing
+        along the block (no padding; the block's own keys have these positions); window: the layer's sliding
+        window W (0 = none); sink: [N, G] learned sink logits or None; weight: [N, T] fp32 query weights or None.
     Returns:
         out [N, G, T, Dv] in qf's dtype and mass [N, C + T] fp32: sum over the G heads and the T queries of
         weight x probability. Computed in fp32 whatever the input dtype.
@@ -101,6 +102,6 @@ def causal_attend_with_mass(qf: Tensor, kf: Tensor, vf: Tensor, held: Tensor, sc
     """
     if not available():
         raise RuntimeError(f"the native CPU prefill op is unavailable: {_state['why']}")
-    out, mass = torch.ops.h2o_cpu.causal_attend_with_mass(qf.float(), kf.float(), vf.float(), held, scale, sink,
-                                                          weight, QUERY_TILE)
+    out, mass = torch.ops.h2o_cpu.causal_attend_with_mass(qf.float(), kf.float(), vf.float(), cache_pos, query_pos,
+                                                          window, scale, sink, weight, QUERY_TILE)
     return out.to(qf.dtype), mass

@@ -52,8 +52,9 @@ def mass_path(request, monkeypatch):
                                   "prompt window", "prompt window no padding", "window empty cache",
                                   "window empty cache no padding"])
 def test_fused_prefill_equals_the_spec(shape, kind, mass_path):
-    """Padding or a window take the masked kernel in query chunks; a block without either the causal kernel
-    plus one masked call over the cache (an empty cache when C = 0)."""
+    """One pass: every unpadded block (or row) through the native op. Two passes: padding or a window take the
+    masked kernel in query chunks, a block without either the causal kernel plus one masked call over the
+    cache (an empty cache when C = 0), then the mass pass."""
     q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, pad="no padding" not in kind)
     if "empty cache" in kind:  # a prompt's first block: each query chunk attends over its window's span only
         key_pos[..., :shape[4]] = -1
@@ -154,15 +155,25 @@ def test_a_left_padded_batch_takes_the_causal_kernel_row_by_row(monkeypatch, mas
     assert sorted(calls) == want_calls, calls
 
 
-def test_a_window_layer_attends_over_its_span_not_the_prefix(monkeypatch):
-    """A 1200-token prompt on a W = 64 layer: every fused call reads at most one query chunk plus W keys, and
-    the result is still the spec's (outputs and mass)."""
+@pytest.mark.parametrize("need_mass", [True, False])
+def test_a_window_layer_attends_over_its_span_not_the_prefix(monkeypatch, mass_path, need_mass):
+    """A 1200-token prompt on a W = 64 layer, the spec's outputs and mass: without the one-pass op every fused
+    call reads at most one query chunk plus W keys; with it, one call whether or not the rule reads the mass
+    (none returned when it does not)."""
     shape = (1, 4, 2, 1200, 0, 16)
     q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, seed=5)
-    calls = _record_fused_calls(monkeypatch)
-    out, mass = cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, 0.3, new_from=0, window=64)
+    one_pass = mass_path == "one pass"
+    calls = _record_one_pass_calls(monkeypatch) if one_pass else _record_fused_calls(monkeypatch)
+    out, mass = cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, 0.3, new_from=0, window=64,
+                                        need_mass=need_mass)
     monkeypatch.undo()
     want_out, want_mass = reference.attend(q, keys, values, key_pos, positions, valid, 0.3, new_from=0, window=64)
     torch.testing.assert_close(out, want_out, rtol=2e-5, atol=2e-5)
-    torch.testing.assert_close(mass, want_mass, rtol=1e-4, atol=1e-4)
-    assert len(calls) > 1 and all(keys <= queries + 64 for queries, keys, _ in calls), calls
+    if need_mass:
+        torch.testing.assert_close(mass, want_mass, rtol=1e-4, atol=1e-4)
+    else:
+        assert not mass.any()
+    if one_pass:
+        assert calls == [(1200, 1200)], calls
+    else:
+        assert len(calls) > 1 and all(keys <= queries + 64 for queries, keys, _ in calls), calls

@@ -18,15 +18,17 @@ needs_compiler = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler:
 SHAPES = [(3, 2, 150, 40, 32), (2, 4, 70, 0, 16), (1, 1, 1, 5, 8), (2, 3, 129, 3, 64), (1, 4, 65, 20, 256)]
 
 
-def _brute_force(q, k, v, held, scale, sink, weight):
-    """Every logit in float64, the visibility written as a mask, softmax with the sink as one more column."""
+def _brute_force(q, k, v, cache_pos, query_pos, window, scale, sink, weight):
+    """Every logit in float64, the visibility written out from positions, softmax with the sink as one more
+    column."""
     n, g, t, _ = q.shape
-    cap = held.shape[1]
     logits = torch.einsum("ngtd,nsd->ngts", q.double(), k.double()) * scale
-    visible = torch.ones(n, 1, t, cap + t, dtype=torch.bool)
-    visible[..., :cap] = held[:, None, None, :]
-    visible[..., cap:] = torch.ones(t, t, dtype=torch.bool).tril()
-    logits = logits.masked_fill(~visible, float("-inf"))
+    key_pos = torch.cat([cache_pos, query_pos], dim=1)[:, None, :]                  # [N, 1, S]
+    newest = query_pos[:, :, None]                                                   # [N, T, 1]
+    visible = (key_pos >= 0) & (key_pos <= newest)
+    if window:
+        visible &= key_pos > newest - window
+    logits = logits.masked_fill(~visible[:, None], float("-inf"))
     sink_col = (torch.full((n, g, t, 1), float("-inf"), dtype=torch.float64) if sink is None
                 else sink.double()[:, :, None, None].expand(n, g, t, 1))
     probs = torch.softmax(torch.cat([logits, sink_col], dim=-1), dim=-1)[..., :-1]
@@ -34,34 +36,46 @@ def _brute_force(q, k, v, held, scale, sink, weight):
     return torch.einsum("ngts,nsd->ngtd", probs, v.double()), (probs * w[:, None, :, None]).sum(dim=(1, 2))
 
 
+def _positions(n, t, cap, gen, *, in_block=False):
+    """Query positions increasing by 1 or 2 (gaps test the window's search), after the cache's; cache slots
+    at distinct older positions, a fifth empty. ``in_block``: some cached positions inside the block's range
+    (a key a query must not see before its position)."""
+    query_pos = cap + 5 + torch.randint(1, 3, (n, t), generator=gen).cumsum(dim=1)
+    span = cap + 5 + (t if in_block else 0)
+    cache_pos = torch.stack([torch.randperm(span, generator=gen)[:cap] for _ in range(n)])
+    return torch.where(torch.rand(n, cap, generator=gen) < 0.2, -1, cache_pos), query_pos
+
+
+@needs_compiler
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "n{}_g{}_t{}_c{}_d{}".format(*s))
+@pytest.mark.parametrize("window", [0, 6, 40])
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("weights", [None, "random", "last 5"])
-@needs_compiler
-def test_one_pass_equals_the_float64_softmax(shape, sinks, weights):
+def test_one_pass_equals_the_float64_softmax(shape, window, sinks, weights):
     n, g, t, cap, d = shape
-    gen = torch.Generator().manual_seed(sum(shape))
+    gen = torch.Generator().manual_seed(sum(shape) + window)
     q, k, v = (torch.randn(n, g, t, d, generator=gen), torch.randn(n, cap + t, d, generator=gen),
                torch.randn(n, cap + t, d, generator=gen))
-    held = torch.rand(n, cap, generator=gen) > 0.3
+    cache_pos, query_pos = _positions(n, t, cap, gen, in_block=window == 40)
     sink = torch.randn(n, g, generator=gen) if sinks else None
     weight = {None: None, "random": torch.rand(n, t, generator=gen),
               "last 5": (torch.arange(t) >= t - 5).float().expand(n, t)}[weights]
-    out, mass = native_prefill.causal_attend_with_mass(q, k, v, held, d ** -0.5, sink, weight)
-    want_out, want_mass = _brute_force(q, k, v, held, d ** -0.5, sink, weight)
+    args = (cache_pos, query_pos, window, d ** -0.5, sink, weight)
+    out, mass = native_prefill.causal_attend_with_mass(q, k, v, *args)
+    want_out, want_mass = _brute_force(q, k, v, *args)
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
-    assert not mass[:, :cap][~held].any()  # an empty slot gets exactly nothing
+    assert not mass[:, :cap][cache_pos < 0].any()  # an empty slot gets exactly nothing
 
 
 @needs_compiler
 def test_bf16_in_bf16_out_fp32_inside():
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 2, 90, 32, generator=gen), torch.randn(2, 100, 32), torch.randn(2, 100, 32)
-    held = torch.ones(2, 10, dtype=torch.bool)
+    cache_pos, query_pos = torch.arange(10).expand(2, 10), torch.arange(10, 100).expand(2, 90)
     low = [x.bfloat16() for x in (q, k, v)]
-    out, mass = native_prefill.causal_attend_with_mass(*low, held, 0.2, None, None)
-    want_out, want_mass = _brute_force(*[x.float() for x in low], held, 0.2, None, None)
+    out, mass = native_prefill.causal_attend_with_mass(*low, cache_pos, query_pos, 0, 0.2, None, None)
+    want_out, want_mass = _brute_force(*[x.float() for x in low], cache_pos, query_pos, 0, 0.2, None, None)
     assert out.dtype == torch.bfloat16 and mass.dtype == torch.float32
     torch.testing.assert_close(out.double(), want_out, rtol=1e-2, atol=1e-2)  # one bf16 rounding of the output
     torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
@@ -70,13 +84,16 @@ def test_bf16_in_bf16_out_fp32_inside():
 @needs_compiler
 def test_bad_shapes_and_dtypes_are_named():
     native_prefill.available()
-    q, k, held = torch.randn(1, 1, 4, 8), torch.randn(1, 4, 8), torch.ones(1, 0, dtype=torch.bool)
+    q, k, cache = torch.randn(1, 1, 4, 8), torch.randn(1, 4, 8), torch.ones(1, 0, dtype=torch.long)
+    op = torch.ops.h2o_cpu.causal_attend_with_mass
     with pytest.raises(RuntimeError, match="keys/values must hold the C cached and T block keys"):
-        torch.ops.h2o_cpu.causal_attend_with_mass(q, k[:, :3], k, held, 1.0, None, None, 64)
-    with pytest.raises(RuntimeError, match="fp32 q/keys/values"):
-        torch.ops.h2o_cpu.causal_attend_with_mass(q.double(), k, k, held, 1.0, None, None, 64)
+        op(q, k[:, :3], k, cache, torch.arange(4)[None], 0, 1.0, None, None, 64)
+    with pytest.raises(RuntimeError, match="fp32 q/keys/values and int64 positions"):
+        op(q.double(), k, k, cache, torch.arange(4)[None], 0, 1.0, None, None, 64)
+    with pytest.raises(RuntimeError, match="query positions must increase along the block"):
+        op(q, k, k, cache, torch.tensor([[0, 1, 1, 2]]), 0, 1.0, None, None, 64)
     with pytest.raises(RuntimeError, match="query_tile must be >= 1, got 0"):
-        torch.ops.h2o_cpu.causal_attend_with_mass(q, k, k, held, 1.0, None, None, 0)
+        op(q, k, k, cache, torch.arange(4)[None], 0, 1.0, None, None, 0)
 
 
 def test_a_failed_build_names_the_command_and_the_prefill_falls_back(monkeypatch, tmp_path):
@@ -104,10 +121,12 @@ def test_the_library_is_built_once_per_torch_and_source():
 
 
 @needs_compiler
-@pytest.mark.parametrize("policy,taken", [("h2o", True), ("sink", False), ("local", False)])
-def test_the_op_prefill_takes_the_one_pass_where_a_rule_reads_the_mass(monkeypatch, policy, taken):
+@pytest.mark.parametrize("policy,window,taken", [("h2o", 0, True), ("sink", 0, False), ("local", 0, False),
+                                                  ("h2o", 8, True), ("sink", 8, True)])
+def test_the_op_prefill_takes_the_one_pass_where_a_rule_reads_the_mass(monkeypatch, policy, window, taken):
     """A first prompt through the whole H2O op: the paper's rule (scores read) through the one-pass op, the rules
-    that read none through torch's fused kernel alone."""
+    that read none through torch's causal kernel alone, except on a window layer (the one-pass op is faster
+    there either way)."""
     calls = []
     real = native_prefill.causal_attend_with_mass
     monkeypatch.setattr(native_prefill, "causal_attend_with_mass", lambda *a: calls.append(1) or real(*a))
@@ -115,5 +134,6 @@ def test_the_op_prefill_takes_the_one_pass_where_a_rule_reads_the_mass(monkeypat
     q, k, v = torch.randn(1, 4, 40, 16, generator=gen), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     positions, valid = torch.arange(40)[None], torch.ones(1, 40, dtype=torch.bool)
     state = reference.empty_state(1, 2, 8, 16)
-    reference.h2o_attention(q, k, v, positions, valid, state, scale=0.25, recent=4, sinks=0, policy=policy)
+    reference.h2o_attention(q, k, v, positions, valid, state, scale=0.25, recent=4, sinks=0, policy=policy,
+                            window=window)
     assert bool(calls) is taken

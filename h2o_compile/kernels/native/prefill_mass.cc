@@ -6,9 +6,10 @@
 // into a buffer that stays in cache, normalises them once, and reads that buffer twice: the P.V product for
 // the output and a weighted column sum for the mass. One q.k product, one exponential per logit.
 //
-// Semantics (kernels/reference.py `attend`, the executable spec, restricted to what the caller routes here:
-// no padding, no sliding window, no soft-capping; the cached keys all older than the block):
-//   query t of the block sees every held cache slot j < C and the block's keys C .. C + t;
+// Semantics (kernels/reference.py `attend`, the executable spec, restricted to what the caller routes here: a
+// block without padding, its positions increasing, no soft-capping; W the layer's window, 0 = none):
+//   query t (position P_t) sees cache slot j < C holding position p_j >= 0 when p_j <= P_t and, with a
+//   window, p_j > P_t - W; and the block's key i (position P_i) when i <= t and, with a window, P_i > P_t - W;
 //   out[n, g, t]  = sum_j p_tj v_j,  p_tj = exp(l_tj - lse_t),  l_tj = scale q_t . k_j,
 //   lse_t         = log(sum_j exp(l_tj) + exp(sink[n, g]))   (no sink term without sinks),
 //   mass[n, j]    = sum_g sum_t w[n, t] p_tj                    (w = 1 without weights).
@@ -83,65 +84,91 @@ struct Inputs {
   at::Tensor keys;      // [N, S, D], S = C + T
   at::Tensor values;    // [N, S, Dv]
   at::Tensor out;       // [N, G, T, Dv]
-  const bool* held;     // [N, C]
-  const float* sink;    // [N, G] or nullptr
-  const float* weight;  // [N, T] or nullptr
-  int64_t G, T, C;
+  const int64_t* cache_pos;  // [N, C], -1 = an empty slot
+  const int64_t* query_pos;  // [N, T], increasing along T (the block's keys have the same positions)
+  const float* sink;         // [N, G] or nullptr
+  const float* weight;       // [N, T] or nullptr
+  int64_t G, T, C, window;
   float scale;
 };
 
-// One tile: queries [t0, t1) of query head g over KV head n. `logits` holds [t1 - t0, C + t1] floats;
-// `acc` is this range's mass accumulator for head n ([S]). The two products go through torch's BLAS
-// (at::addmm_out / at::mm_out, one thread inside the parallel region) on views of the inputs and the buffer.
+// The first block key any query from t on can see: 0 without a window, else the first i with P_i > P_t - W
+// (positions increase, so the keys a window hides form a prefix).
+int64_t first_block_key(const int64_t* pos, int64_t t, int64_t window) {
+  if (window <= 0) return 0;
+  return std::partition_point(pos, pos + t, [&](int64_t p) { return p <= pos[t] - window; }) - pos;
+}
+
+// One tile: queries [t0, t1) of query head g over KV head n, against key columns [lo, C + t1): every cache
+// slot when the cache has any (C > 0), then the block from the first key the tile's first query can see.
+// `logits` holds [t1 - t0, C + t1 - lo] floats; `acc` is this range's mass accumulator for head n ([S]). The
+// two products go through torch's BLAS (at::addmm_out / at::mm_out, one thread inside the parallel region) on
+// views of the inputs and the buffer.
 void attend_tile(const Inputs& in, int64_t n, int64_t g, int64_t t0, int64_t t1, float* logits, float* inv,
                  float* acc) {
-  const int64_t rows = t1 - t0, cols = in.C + t1;
-  const auto q = in.q[n][g].narrow(0, t0, rows);                                  // [rows, D]
-  auto logits_view = at::from_blob(logits, {rows, cols}, in.q.options());  // [rows, cols]
+  const int64_t* qpos = in.query_pos + n * in.T;
+  const int64_t* cpos = in.cache_pos + n * in.C;
+  const int64_t lo = in.C > 0 ? 0 : first_block_key(qpos, t0, in.window);
+  const int64_t rows = t1 - t0, cols = in.C + t1 - lo;
+  const auto q = in.q[n][g].narrow(0, t0, rows);                                   // [rows, D]
+  auto logits_view = at::from_blob(logits, {rows, cols}, in.q.options());         // [rows, cols]
   // scale x q.k (beta 0: the buffer's old contents are not read)
-  at::addmm_out(logits_view, logits_view, q, in.keys[n].narrow(0, 0, cols).t(), 0.0, in.scale);
-  const bool* held = in.held + n * in.C;
+  at::addmm_out(logits_view, logits_view, q, in.keys[n].narrow(0, lo, cols).t(), 0.0, in.scale);
   const float sink = in.sink ? in.sink[n * in.G + g] : kNegInf;
   for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = t0 + r, newest = qpos[t];
+    const int64_t oldest = in.window > 0 ? newest - in.window : std::numeric_limits<int64_t>::min();
     float* row = logits + r * cols;
-    const int64_t seen = in.C + t0 + r + 1;  // cache slots, then the block up to this query itself
-    for (int64_t j = 0; j < in.C; ++j) {
-      if (!held[j]) row[j] = kNegInf;
+    for (int64_t j = 0; j < in.C; ++j) {  // columns 0 .. C-1 are the cache's whenever it has any
+      if (cpos[j] < 0 || cpos[j] > newest || cpos[j] <= oldest) row[j] = kNegInf;
     }
-    std::fill(row + seen, row + cols, 0.f);  // the block's future: zero probability, never read as a logit
+    // The block's keys this query cannot see: those a window hides (a prefix), and its future (zeroed: never
+    // read as a logit, and zero probability for P.V).
+    const int64_t hidden_end = in.C + first_block_key(qpos, t, in.window) - lo;
+    std::fill(row + in.C, row + hidden_end, kNegInf);
+    const int64_t seen = in.C + t + 1 - lo;
+    std::fill(row + seen, row + cols, 0.f);
     const float m = row_max(row, seen, sink);  // finite: the query sees at least itself
     float total = exp_in_place(row, seen, m);
     if (in.sink) total += std::exp(sink - m);  // a learned sink only adds to the denominator
     inv[r] = 1.f / total;
   }
-  auto o = in.out[n][g].narrow(0, t0, rows);                                       // [rows, Dv]
-  at::mm_out(o, logits_view, in.values[n].narrow(0, 0, cols));
+  auto o = in.out[n][g].narrow(0, t0, rows);                                        // [rows, Dv]
+  at::mm_out(o, logits_view, in.values[n].narrow(0, lo, cols));
   float* o_ptr = o.data_ptr<float>();
   const int64_t dv = o.size(1);
   for (int64_t r = 0; r < rows; ++r) {
     const float c = inv[r];
     for (int64_t d = 0; d < dv; ++d) o_ptr[r * dv + d] *= c;
     const float w = in.weight ? in.weight[n * in.T + t0 + r] * c : c;
-    if (w != 0.f) add_scaled(acc, logits + r * cols, in.C + t0 + r + 1, w);
+    if (w != 0.f) add_scaled(acc + lo, logits + r * cols, in.C + t0 + r + 1 - lo, w);
   }
 }
 
 std::tuple<at::Tensor, at::Tensor> causal_attend_with_mass(
-    const at::Tensor& q_in, const at::Tensor& keys_in, const at::Tensor& values_in, const at::Tensor& held_in,
-    double scale, const std::optional<at::Tensor>& sink_in, const std::optional<at::Tensor>& weight_in,
-    int64_t query_tile) {
-  TORCH_CHECK(q_in.dim() == 4 && keys_in.dim() == 3 && values_in.dim() == 3 && held_in.dim() == 2,
-              "causal_attend_with_mass: q [N, G, T, D], keys [N, C+T, D], values [N, C+T, Dv], held [N, C]");
+    const at::Tensor& q_in, const at::Tensor& keys_in, const at::Tensor& values_in, const at::Tensor& cache_pos_in,
+    const at::Tensor& query_pos_in, int64_t window, double scale, const std::optional<at::Tensor>& sink_in,
+    const std::optional<at::Tensor>& weight_in, int64_t query_tile) {
+  TORCH_CHECK(q_in.dim() == 4 && keys_in.dim() == 3 && values_in.dim() == 3 && cache_pos_in.dim() == 2 &&
+                  query_pos_in.dim() == 2,
+              "causal_attend_with_mass: q [N, G, T, D], keys [N, C+T, D], values [N, C+T, Dv], cache_pos [N, C], "
+              "query_pos [N, T]");
   TORCH_CHECK(q_in.scalar_type() == at::kFloat && keys_in.scalar_type() == at::kFloat &&
-                  values_in.scalar_type() == at::kFloat && held_in.scalar_type() == at::kBool,
-              "causal_attend_with_mass: fp32 q/keys/values and a bool held mask");
+                  values_in.scalar_type() == at::kFloat && cache_pos_in.scalar_type() == at::kLong &&
+                  query_pos_in.scalar_type() == at::kLong,
+              "causal_attend_with_mass: fp32 q/keys/values and int64 positions");
   TORCH_CHECK(query_tile >= 1, "causal_attend_with_mass: query_tile must be >= 1, got ", query_tile);
   const auto q = q_in.contiguous(), keys = keys_in.contiguous(), values = values_in.contiguous();
-  const auto held = held_in.contiguous();
-  const int64_t N = q.size(0), G = q.size(1), T = q.size(2), D = q.size(3), C = held.size(1), S = C + T;
+  const auto cache_pos = cache_pos_in.contiguous(), query_pos = query_pos_in.contiguous();
+  const int64_t N = q.size(0), G = q.size(1), T = q.size(2), D = q.size(3), C = cache_pos.size(1), S = C + T;
   TORCH_CHECK(keys.size(0) == N && keys.size(1) == S && keys.size(2) == D && values.size(0) == N &&
-                  values.size(1) == S && held.size(0) == N,
+                  values.size(1) == S && cache_pos.size(0) == N && query_pos.size(0) == N && query_pos.size(1) == T,
               "causal_attend_with_mass: keys/values must hold the C cached and T block keys of each head");
+  const int64_t* qp = query_pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N * T; ++i) {
+    TORCH_CHECK(i % T == 0 || qp[i] > qp[i - 1], "causal_attend_with_mass: query positions must increase "
+                "along the block (a block without padding)");
+  }
   std::optional<at::Tensor> sink, weight;
   if (sink_in) {
     sink = sink_in->to(at::kFloat).contiguous();
@@ -152,8 +179,9 @@ std::tuple<at::Tensor, at::Tensor> causal_attend_with_mass(
     TORCH_CHECK(weight->numel() == N * T, "causal_attend_with_mass: weight must be [N, T]");
   }
   auto out = at::empty({N, G, T, values.size(2)}, q.options());
-  const Inputs in{q, keys, values, out, held.data_ptr<bool>(), sink ? sink->data_ptr<float>() : nullptr,
-                  weight ? weight->data_ptr<float>() : nullptr, G, T, C, static_cast<float>(scale)};
+  const Inputs in{q, keys, values, out, cache_pos.data_ptr<int64_t>(), qp,
+                  sink ? sink->data_ptr<float>() : nullptr, weight ? weight->data_ptr<float>() : nullptr,
+                  G, T, C, window, static_cast<float>(scale)};
   // Each range of work items (a thread's share) sums the mass of the KV heads it touches into its own
   // buffer; the buffers are added in the order of their ranges afterwards: no shared writes, no dependence on
   // the OpenMP runtime's thread numbering, and the same sum for the same thread count on every run.
@@ -194,8 +222,8 @@ std::tuple<at::Tensor, at::Tensor> causal_attend_with_mass(
 }  // namespace
 
 TORCH_LIBRARY(h2o_cpu, m) {
-  m.def("causal_attend_with_mass(Tensor q, Tensor keys, Tensor values, Tensor held, float scale, Tensor? sink, "
-        "Tensor? weight, int query_tile) -> (Tensor, Tensor)");
+  m.def("causal_attend_with_mass(Tensor q, Tensor keys, Tensor values, Tensor cache_pos, Tensor query_pos, "
+        "int window, float scale, Tensor? sink, Tensor? weight, int query_tile) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(h2o_cpu, CPU, m) { m.impl("causal_attend_with_mass", &causal_attend_with_mass); }
