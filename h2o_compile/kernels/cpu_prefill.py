@@ -93,10 +93,7 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
             visible = visible & (kpos > qpos - window)
         return visible, lo, s
 
-    # A block without padding or window (a prompt, a chunk of one): the causal kernel over its own keys plus one
-    # masked call over the cache, merged by their LSEs. The causal kernel skips the future half, which a mask
-    # cannot tell it to. (A host check, fine in an eager prefill.)
-    unpadded = new_from is not None and bool(query_valid.all())
+    unpadded = new_from is not None and bool(query_valid.all())  # (a host check, fine in an eager prefill)
     # The one-pass op where a rule reads the mass, and on a window layer whatever the rule: it computes only the
     # window's columns per query tile, which beats the masked fused kernel in chunks even without the mass
     # (Gemma 3's W = 512 layers at 1024 tokens: 16 vs 35 ms). Zero weights then skip the column sums.
@@ -106,6 +103,9 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
         out, mass = _one_pass(qf, keys.reshape(b * hkv, s_all, d), values.reshape(b * hkv, s_all, dv),
                               kpos_all[:, 0, 0, :new_from], query_pos, window, scale, sink_logits, weight)
         return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
+    # Otherwise a block without padding or window (a prompt, a chunk of one): the causal kernel over its own keys
+    # plus one masked call over the cache, merged by their LSEs. The causal kernel skips the future half, which a
+    # mask cannot tell it to.
     causal = unpadded and window == 0
     if causal:
         out, lse = _causal_and_cache(qf, kf, vf, kpos_all[..., :new_from], new_from, scale)

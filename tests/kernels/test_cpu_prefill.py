@@ -36,8 +36,8 @@ def _inputs(shape, dtype, seed=0, pad=True):
 
 @pytest.fixture(params=["one pass", "two pass"])
 def mass_path(request, monkeypatch):
-    """Both ways to the mass of a causal block: the native one-pass op and, as where it cannot be built, the
-    second q.k pass (the other kinds take the second pass either way)."""
+    """Both ways through an unpadded block (or row) that needs the mass or has a window: the native one-pass op
+    and, as where it cannot be built, torch's fused kernel then the second q.k pass."""
     if request.param == "two pass":
         monkeypatch.setitem(native_prefill._state, "loaded", False)
     elif not has_compiler():

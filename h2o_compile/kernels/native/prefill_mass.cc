@@ -140,8 +140,9 @@ void attend_tile(const Inputs& in, int64_t n, int64_t g, int64_t t0, int64_t t1,
   for (int64_t r = 0; r < rows; ++r) {
     const float c = inv[r];
     for (int64_t d = 0; d < dv; ++d) o_ptr[r * dv + d] *= c;
-    const float w = in.weight ? in.weight[n * in.T + t0 + r] * c : c;
-    if (w != 0.f) add_scaled(acc + lo, logits + r * cols, in.C + t0 + r + 1 - lo, w);
+    // A zero weight adds exactly nothing (tested before the product: 0 x a non-finite c would not be zero).
+    const float w = in.weight ? in.weight[n * in.T + t0 + r] : 1.f;
+    if (w != 0.f) add_scaled(acc + lo, logits + r * cols, in.C + t0 + r + 1 - lo, w * c);
   }
 }
 
