@@ -7,6 +7,7 @@ positions of every layer and greedy tokens must agree while the cache evicts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -20,6 +21,7 @@ import h2o_compile
 from h2o_compile.export.onnx import export_onnx
 from h2o_compile.export.onnx_function import DOMAIN, FUNCTION_NAME
 from h2o_compile.export.ort import H2OOrtModel
+from h2o_compile.kernels import native_prefill
 
 from ..helpers import CollectStreamer, stop_string_tokenizer
 from ..runtime.arch_configs import VOCAB, build
@@ -120,7 +122,13 @@ def test_logits_positions_and_tokens_match_h2o_model(exported, name):
     ours = H2OOrtModel.from_pretrained(out, provider="cpu", native=False)
     theirs = h2o_compile.optimize(model, compile=False, **settings)
     ids, mask = prompts()
-    worst, evicting = drive_both(ours, theirs, ids, mask, steps=32, max_seq_len=MAX_SEQ_LEN)
+    # An int8 cache turns a last-bit difference into a different rounding of a stored entry: the one-pass CPU
+    # prefill (outputs within 6e-7, mass within 4e-7 relative of the two-pass path on this case) moved a logit
+    # by 5e-3 here. The function computes the prompt's mass as the two-pass path does, so that is the path
+    # compared bit-closely for int8; the one-pass op is checked against float64 in tests/kernels.
+    two_pass = native_prefill.disabled() if settings.get("kv_dtype") == "int8" else contextlib.nullcontext()
+    with two_pass:
+        worst, evicting = drive_both(ours, theirs, ids, mask, steps=32, max_seq_len=MAX_SEQ_LEN)
     assert worst < 1e-4, f"max logit difference {worst}"
     assert evicting >= 20, "the cache should be full (and evicting) for most decode steps"
     assert ours.capacity == theirs.capacity
