@@ -45,3 +45,15 @@ def has_compiler() -> bool:
     except NativeBuildError:
         return False
     return True
+
+
+def load_benchmark(name: str):
+    """The script benchmarks/<name>.py as a module (the scripts are not a package), executed afresh."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,20 +3,15 @@ step times of the one-process comparison, and bad arguments stop it with the val
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "compile_regions.py"
+from ..helpers import load_benchmark
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("compile_regions", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("compile_regions")
 
 
 def test_the_table_shows_the_median_cold_compile_every_run_and_the_step_times():

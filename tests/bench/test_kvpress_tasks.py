@@ -3,21 +3,16 @@ layers in ``global`` mode, every layer in ``all`` mode, and the model keeps all 
 
 from __future__ import annotations
 
-import importlib.util
 from contextlib import contextmanager
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kvpress_tasks.py"
+from ..helpers import load_benchmark
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("kvpress_tasks", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("kvpress_tasks")
 
 
 class Layer(torch.nn.Module):

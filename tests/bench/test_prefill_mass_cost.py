@@ -3,22 +3,16 @@ one pass and in two, and finds the second pass's own operators in its profile.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-from ..helpers import has_compiler
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "prefill_mass_cost.py"
+from ..helpers import has_compiler, load_benchmark
 
 
 def _run(monkeypatch, *args):
-    spec = importlib.util.spec_from_file_location("prefill_mass_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("prefill_mass_cost")
     monkeypatch.setattr(sys, "argv", ["prefill_mass_cost.py", *args])
     module.main()
 
