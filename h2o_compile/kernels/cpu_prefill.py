@@ -101,7 +101,8 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
         weight = query_weight if need_mass else torch.zeros(b, t)
         # The cache as stored (the op computes in fp32): no rounding of an fp32 cache to the queries' dtype.
         out, mass = _one_pass(qf, keys.reshape(b * hkv, s_all, d), values.reshape(b * hkv, s_all, dv),
-                              kpos_all[:, 0, 0, :new_from], query_pos, window, scale, sink_logits, weight)
+                              kpos_all[:, 0, 0, :new_from], qpos_all.view(b * hkv, t), window, scale, sink_logits,
+                              weight)
         return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
     # Otherwise a block without padding or window (a prompt, a chunk of one): the causal kernel over its own keys
     # plus one masked call over the cache, merged by their LSEs. The causal kernel skips the future half, which a
@@ -134,21 +135,21 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
 
 
-def _one_pass(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tensor, query_pos: Tensor, window: int, scale: float,
+def _one_pass(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tensor, positions: Tensor, window: int, scale: float,
               sink_logits: Optional[Tensor], query_weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """An unpadded block's output and mass through native_prefill (one q.k product).
 
-    qf: [N, G, T, D]; kf: [N, C + T, D]; vf: [N, C + T, Dv]; cache_pos: [N, C] (-1 = empty); query_pos: [B, T].
+    qf: [N, G, T, D]; kf: [N, C + T, D]; vf: [N, C + T, Dv]; cache_pos: [N, C] (-1 = empty); positions: [N, T]
+    (each KV head's row of the block's positions); sink_logits: [Hq]; query_weight: [B, T].
     Returns out [N, G, T, Dv] and mass [N, C + T] fp32."""
     n, group, t, _ = qf.shape
     cap = cache_pos.shape[1]
-    rows = query_pos.shape[0]
     sink = weight = None
     if sink_logits is not None:  # [Hq] -> [N, G]: the same G logits for every batch row of a KV head
-        sink = sink_logits.float().view(1, n // rows, group).expand(rows, -1, -1).reshape(n, group)
+        hkv = sink_logits.numel() // group
+        sink = sink_logits.float().view(1, hkv, group).expand(n // hkv, -1, -1).reshape(n, group)
     if query_weight is not None:  # [B, T] -> [N, T]: every KV head of a row weighs its queries alike
-        weight = query_weight.float()[:, None, :].expand(-1, n // rows, -1).reshape(n, t)
-    positions = query_pos[:, None, :].expand(-1, n // rows, -1).reshape(n, t)
+        weight = query_weight.float()[:, None, :].expand(-1, n // query_weight.shape[0], -1).reshape(n, t)
     if cap and not bool((cache_pos >= 0).any()):  # a first prompt: nothing cached, so no cache columns at all
         out, mass = native_prefill.causal_attend_with_mass(qf, kf[:, cap:], vf[:, cap:], cache_pos[:, :0], positions,
                                                            window, scale, sink, weight)
