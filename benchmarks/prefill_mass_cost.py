@@ -1,6 +1,6 @@
 """What the key mass costs in one prompt's attention on CPU: torch's fused causal flash attention alone, the
 project's prefill (kernels/cpu_prefill.py) without the mass, with it through the native one-pass op
-(kernels/native_prefill.py) and through the two-pass path, and the two-pass path's own operators.
+(kernels/native_cpu.py) and through the two-pass path, and the two-pass path's own operators.
 
 The paper's rule reads every prompt query's attention, which torch's fused kernel never materializes: the
 two-pass path runs a second q.k product per chunk of queries (exp, column sums) after it, the one-pass op keeps
@@ -21,7 +21,7 @@ import time
 import torch
 
 from h2o_compile.reporting import machine_description
-from h2o_compile.kernels import cpu_prefill, native_prefill
+from h2o_compile.kernels import cpu_prefill, native_cpu
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -59,14 +59,14 @@ def main() -> None:
     def prefill(need_mass: bool):
         return cpu_prefill.attend_sdpa(q, k, v, key_pos, query_pos, valid, scale, new_from=0, need_mass=need_mass)
 
-    if not native_prefill.available():
+    if not native_cpu.available():
         raise SystemExit("the native one-pass op could not be built here (see the warning above)")
     figures = {
         "flash_causal_s": median_seconds(lambda: flash(q, k, v, 0.0, True, scale=scale), args.repeats),
         "attend_without_mass_s": median_seconds(lambda: prefill(False), args.repeats),
         "attend_with_mass_one_pass_s": median_seconds(lambda: prefill(True), args.repeats),
     }
-    with native_prefill.disabled():
+    with native_cpu.disabled():
         figures["attend_with_mass_two_pass_s"] = median_seconds(lambda: prefill(True), args.repeats)
         with torch.profiler.profile() as prof:
             prefill(True)

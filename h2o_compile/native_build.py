@@ -1,5 +1,5 @@
 """Compile a C++ source into a shared library with the machine's compiler, once per (source hash, command), and
-cache it: the ONNX Runtime op (export/native) and the CPU prefill op (kernels/native) both build this way.
+cache it: the ONNX Runtime op (export/native) and the CPU prefill and decode ops (kernels/native) build this way.
 
 Why compile here instead of shipping binaries: the sources need only a C++ compiler (and, for the prefill op,
 the headers inside the installed torch wheel), and a library built on the machine can use its vector units
@@ -63,9 +63,9 @@ def digest(directory: Path, files: Iterable[str], command: Iterable[str]) -> str
     return h.hexdigest()[:16]
 
 
-def compile_cached(target: Path, command: list[str], source: Path, what: str, *, rebuild: bool = False,
+def compile_cached(target: Path, command: list[str], source: Path | list[Path], what: str, *, rebuild: bool = False,
                    link: Iterable[str] = ()) -> Path:
-    """``target`` (built now with ``command -o target source link...`` unless it exists). NativeBuildError
+    """``target`` (built now with ``command -o target sources... link...`` unless it exists). NativeBuildError
     naming ``what`` and the full command when the compiler cannot run or fails."""
     if target.is_file() and not rebuild:
         return target
@@ -80,10 +80,11 @@ def compile_cached(target: Path, command: list[str], source: Path, what: str, *,
         return _compile(target, command, source, what, link)
 
 
-def _compile(target: Path, command: list[str], source: Path, what: str, link: Iterable[str]) -> Path:
+def _compile(target: Path, command: list[str], source: Path | list[Path], what: str, link: Iterable[str]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
-    full = [*command, "-o", tmp, str(source), *link]
+    sources = [source] if isinstance(source, Path) else source
+    full = [*command, "-o", tmp, *map(str, sources), *link]
     try:
         result = subprocess.run(full, capture_output=True, text=True)
     except OSError as exc:

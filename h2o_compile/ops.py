@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .kernels import reference
+from .kernels import native_cpu, reference
 from .kernels.rolling import as_tables
 
 _BACKEND_ENV = "H2O_COMPILE_BACKEND"
@@ -224,11 +224,14 @@ def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: O
                     scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
                     softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
                     rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
-                    key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None) -> Tensor:
+                    key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None,
+                    native: bool = False) -> Tensor:
     """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: the opaque attention op, then
     reference.evict_and_write_ as plain torch ops that torch.compile fuses into the step's generated code
-    (on CPU one loop nest per layer instead of ~25 small eager kernels). Same signature and result as the op;
-    the compiled CPU decode graph calls this (passes.fuse_decode_bookkeeping)."""
+    (on CPU one loop nest per layer instead of ~25 small eager kernels). Same signature and result as the op,
+    plus ``native``: the attention through the native CPU op (kernels/native_cpu.py; decided when the graph
+    is built, since the check that builds the library cannot run inside traced code). The compiled CPU decode
+    graph calls this (passes.fuse_decode_bookkeeping)."""
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
                  window, softcap, sink_logits, query_from, key_scale, value_scale)
     if q.shape[2] != 1:
@@ -246,6 +249,9 @@ def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: O
                                                             window=window, softcap=softcap,
                                                             sink_logits=sink_logits, fused_dequant=True)
         out, mass_cache, mass_new = materialize([out, mass_cache, mass_new])
+    elif native:
+        out, mass_cache, mass_new = native_cpu.attend_decode(q_seen, k_seen, v, valid, seen.key_cache, value_cache,
+                                                             pos_cache, scale, new_pos, window, softcap, sink_logits)
     else:
         out, mass_cache, mass_new = torch.ops.h2o.attend_decode(q_seen, k_seen, v, valid, seen.key_cache,
                                                                 value_cache, pos_cache, scale, new_pos, window,

@@ -14,6 +14,7 @@ from .capture import capture
 from .compiling import check_compile, check_regional_compile, compile_step, compile_step_by_layer, freezes_weights
 from .config import H2OConfig
 from .cache_plan import CachePlan
+from .kernels import native_cpu
 from .ops import backend_for
 from .passes import (LayerSpec, find_attention_sites, find_rotary, fuse_decode_bookkeeping, last_position_logits,
                      move_rotary_into_ops, rewrite_attention, runtime_recent_graph, set_h2o_params, state_names,
@@ -33,12 +34,13 @@ def _positive_ints(name: str, values) -> list[int]:
 def decode_step_graph(graph: torch.fx.GraphModule, mode: str, device: torch.device) -> torch.fx.GraphModule:
     """The graph H2OModel compiles for its one-token step in ``mode``. With the reference backend (CPU) a copy
     sharing the weights whose eviction bookkeeping is plain torch ops Inductor fuses
-    (passes.fuse_decode_bookkeeping; the Triton decode kernel fuses it on GPU), and on CPU its linear layers as
+    (passes.fuse_decode_bookkeeping; the Triton decode kernel fuses it on GPU), on CPU its attention through
+    the native op where it is built (kernels/native_cpu.py) and its linear layers as
     ``weight @ x^T`` (passes/weight_major_linear.py) unless the mode freezes the weights, which Inductor then
     prepacks in their ``aten.linear`` form."""
     if backend_for(device) != "reference":
         return graph
-    step = fuse_decode_bookkeeping(graph)
+    step = fuse_decode_bookkeeping(graph, native=device.type == "cpu" and native_cpu.available())
     if device.type == "cpu" and not freezes_weights(mode, device):
         weight_major_linears(step)
     return step

@@ -8,7 +8,7 @@ on every attention kind), computed differently:
    heads read the same keys (GQA without repeating K/V) and the visibility mask, which differs between KV
    heads once they evicted different keys, is a [tc, s] bias broadcast over the group.
 2. Only when the eviction rule reads scores (``need_mass``): a block without padding (a prompt, a chunk of one,
-   each row of a left-padded batch; any window) takes the one-pass op of native_prefill.py, which keeps each
+   each row of a left-padded batch; any window) takes the one-pass op of native_cpu.py, which keeps each
    query tile's probabilities in cache for both the output and the column sums (no second q.k product); so
    does a window layer's block whatever the rule. Where that op cannot be built, the fused kernel and then a
    second pass over the same query chunks,
@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import native_prefill
+from . import native_cpu
 
 _LOGITS_PER_CHUNK = 1 << 22  # fp32 logits (and bias entries) held at once: 16 MiB, as reference.attend
 
@@ -97,7 +97,7 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     # The one-pass op where a rule reads the mass, and on a window layer whatever the rule: it computes only the
     # window's columns per query tile, which beats the masked fused kernel in chunks even without the mass
     # (Gemma 3's W = 512 layers at 1024 tokens: 16 vs 35 ms). Zero weights then skip the column sums.
-    if unpadded and (need_mass or window > 0) and native_prefill.available():
+    if unpadded and (need_mass or window > 0) and native_cpu.available():
         weight = query_weight if need_mass else torch.zeros(b, t)
         # The cache as stored (the op computes in fp32): no rounding of an fp32 cache to the queries' dtype.
         out, mass = _one_pass(qf, keys.reshape(b * hkv, s_all, d), values.reshape(b * hkv, s_all, dv),
@@ -137,7 +137,7 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
 
 def _one_pass(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tensor, positions: Tensor, window: int, scale: float,
               sink_logits: Optional[Tensor], query_weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """An unpadded block's output and mass through native_prefill (one q.k product).
+    """An unpadded block's output and mass through native_cpu (one q.k product).
 
     qf: [N, G, T, D]; kf: [N, C + T, D]; vf: [N, C + T, Dv]; cache_pos: [N, C] (-1 = empty); positions: [N, T]
     (each KV head's row of the block's positions); sink_logits: [Hq]; query_weight: [B, T].
@@ -151,10 +151,10 @@ def _one_pass(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tensor, positions: 
     if query_weight is not None:  # [B, T] -> [N, T]: every KV head of a row weighs its queries alike
         weight = query_weight.float()[:, None, :].expand(-1, n // query_weight.shape[0], -1).reshape(n, t)
     if cap and not bool((cache_pos >= 0).any()):  # a first prompt: nothing cached, so no cache columns at all
-        out, mass = native_prefill.causal_attend_with_mass(qf, kf[:, cap:], vf[:, cap:], cache_pos[:, :0], positions,
+        out, mass = native_cpu.causal_attend_with_mass(qf, kf[:, cap:], vf[:, cap:], cache_pos[:, :0], positions,
                                                            window, scale, sink, weight)
         return out, torch.cat([mass.new_zeros(n, cap), mass], dim=1)
-    return native_prefill.causal_attend_with_mass(qf, kf, vf, cache_pos, positions, window, scale, sink, weight)
+    return native_cpu.causal_attend_with_mass(qf, kf, vf, cache_pos, positions, window, scale, sink, weight)
 
 
 def _left_padding(query_valid: Tensor) -> Optional[list[int]]:

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import cpu_prefill
+from . import cpu_prefill, native_cpu
 from .quantized import EMPTY_SCALE, dequantize
 from .rolling import RopeTables, rotate_block
 from .rules import POLICY_CODES, EvictionRule, parse_rule, random_priority  # noqa: F401  (re-exported)
@@ -305,6 +305,19 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
     return out.reshape(b, hq, 1, -1).to(q.dtype), mass[..., :-1], mass[..., -1:]
 
 
+def attend_decode_step(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OState, scale: float,
+                       new_pos: Tensor, *, window: int, softcap: float, sink_logits: Optional[Tensor]
+                       ) -> tuple[Tensor, Tensor, Tensor]:
+    """The decode step's attention on the reference path: the native CPU op where it applies (kernels/
+    native_cpu.py: CPU tensors, a float cache, the library built; one call instead of ~15 eager operators),
+    else :func:`attend_decode`. Shapes and result as :func:`attend_decode`."""
+    if native_cpu.decodes(q, state.key_cache, state.value_cache):
+        return native_cpu.attend_decode(q, k, v, valid, state.key_cache, state.value_cache, state.pos_cache, scale,
+                                        new_pos, window, softcap, sink_logits)
+    return attend_decode(q, k, v, valid, state, scale, new_pos, window=window, softcap=softcap,
+                         sink_logits=sink_logits)
+
+
 _DEQUANT_SLOTS = 256  # int8 slots converted to fp32 at a time by the decode step: the copy stays in cache
 
 
@@ -365,8 +378,8 @@ def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optio
     """
     valid, new_pos, newest = _block_inputs(k, positions, valid)                 # new_pos [B, Hkv, 1]
     q_seen, k_seen, state_seen = rolled_inputs(q, k, valid, state, rope)
-    out, mass_cache, mass_new = attend_decode(q_seen, k_seen, v, valid, state_seen, scale, new_pos, window=window,
-                                              softcap=softcap, sink_logits=sink_logits)
+    out, mass_cache, mass_new = attend_decode_step(q_seen, k_seen, v, valid, state_seen, scale, new_pos,
+                                                   window=window, softcap=softcap, sink_logits=sink_logits)
     evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent, sinks=sinks,
                      policy=policy, seed=seed, window=window, positions=positions, query_from=query_from)
     return out

@@ -174,14 +174,17 @@ def runtime_recent_graph(gm: GraphModule) -> GraphModule:
     return copy
 
 
-def fuse_decode_bookkeeping(gm: GraphModule) -> GraphModule:
+def fuse_decode_bookkeeping(gm: GraphModule, native: bool = False) -> GraphModule:
     """A copy of an in-place graph, sharing its weights, whose ``h2o.attention_`` nodes call
     ``ops.decode_fusable_`` instead: the attention stays an opaque op, the eviction bookkeeping becomes plain
     torch ops that torch.compile fuses. Only for the one-token decode step compiled on CPU (see H2OModel; the
-    Triton decode kernel already fuses it on GPU)."""
+    Triton decode kernel already fuses it on GPU). ``native``: the attention of a float cache through the
+    native CPU op (kernels/native_cpu.py)."""
     copy = copy_graph_module(gm)
     for node in _inplace_ops(copy):
         node.target = ops.decode_fusable_
+        if native:
+            node.kwargs = {**node.kwargs, "native": True}
     copy.graph.lint()
     copy.recompile()
     return copy

@@ -21,7 +21,7 @@ import h2o_compile
 from h2o_compile.export.onnx import export_onnx
 from h2o_compile.export.onnx_function import DOMAIN, FUNCTION_NAME
 from h2o_compile.export.ort import H2OOrtModel
-from h2o_compile.kernels import native_prefill
+from h2o_compile.kernels import native_cpu
 
 from ..helpers import CollectStreamer, stop_string_tokenizer
 from ..runtime.arch_configs import VOCAB, build
@@ -126,7 +126,7 @@ def test_logits_positions_and_tokens_match_h2o_model(exported, name):
     # prefill (outputs within 6e-7, mass within 4e-7 relative of the two-pass path on this case) moved a logit
     # by 5e-3 here. The function computes the prompt's mass as the two-pass path does, so that is the path
     # compared bit-closely for int8; the one-pass op is checked against float64 in tests/kernels.
-    two_pass = native_prefill.disabled() if settings.get("kv_dtype") == "int8" else contextlib.nullcontext()
+    two_pass = native_cpu.disabled() if settings.get("kv_dtype") == "int8" else contextlib.nullcontext()
     with two_pass:
         worst, evicting = drive_both(ours, theirs, ids, mask, steps=32, max_seq_len=MAX_SEQ_LEN)
     assert worst < 1e-4, f"max logit difference {worst}"

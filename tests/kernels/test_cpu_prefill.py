@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_compile.kernels import cpu_prefill, native_prefill, reference
+from h2o_compile.kernels import cpu_prefill, native_cpu, reference
 
 from ..helpers import has_compiler, sink_logits_for
 
@@ -39,11 +39,11 @@ def mass_path(request, monkeypatch):
     """Both ways through an unpadded block (or row) that needs the mass or has a window: the native one-pass op
     and, as where it cannot be built, torch's fused kernel then the second q.k pass."""
     if request.param == "two pass":
-        monkeypatch.setitem(native_prefill._state, "loaded", False)
+        monkeypatch.setitem(native_cpu._state, "loaded", False)
     elif not has_compiler():
         pytest.skip("no C++ compiler here: the one-pass op cannot be built (the two-pass rows still run)")
     else:
-        assert native_prefill.available()  # with a compiler, a failed build is a failure
+        assert native_cpu.available()  # with a compiler, a failed build is a failure
     return request.param
 
 
@@ -124,13 +124,13 @@ def _record_fused_calls(monkeypatch) -> list:
 def _record_one_pass_calls(monkeypatch) -> list:
     """(queries, keys) of every native one-pass call until monkeypatch.undo()."""
     calls = []
-    real = native_prefill.causal_attend_with_mass
+    real = native_cpu.causal_attend_with_mass
 
     def recording(qf, kf, *args):
         calls.append((qf.shape[2], kf.shape[1]))
         return real(qf, kf, *args)
 
-    monkeypatch.setattr(native_prefill, "causal_attend_with_mass", recording)
+    monkeypatch.setattr(native_cpu, "causal_attend_with_mass", recording)
     return calls
 
 

@@ -8,10 +8,12 @@ import torch
 
 import h2o_compile
 from h2o_compile import ops
-from h2o_compile.kernels import reference
+from h2o_compile.kernels import native_cpu, reference
 from h2o_compile.passes import count_h2o_ops, fuse_decode_bookkeeping, state_names
+from h2o_compile.runtime import decode_step_graph
 
 from .arch_configs import VOCAB, build
+from ..helpers import has_compiler
 from .compile_checks import assert_ran_compiled, strict_compile
 from .hf_simulation import simulate_logits
 
@@ -32,6 +34,19 @@ def test_fused_graph_retargets_every_layer_and_shares_the_weights(llama):
         fuse_decode_bookkeeping(fused)
 
 
+@pytest.mark.skipif(not has_compiler(), reason="no C++ compiler: the native op cannot be built here")
+def test_the_cpu_step_attends_through_the_native_op_where_it_is_built(llama):
+    opt = h2o_compile.optimize(llama, budget=5, compile=False)
+
+    def native_flags():
+        step = decode_step_graph(opt.graph, "default", torch.device("cpu"))
+        return [n.kwargs.get("native", False) for n in step.graph.nodes if n.target is ops.decode_fusable_]
+
+    assert native_flags() == [True, True]
+    with native_cpu.disabled():
+        assert native_flags() == [False, False]
+
+
 def test_the_runtime_graph_takes_the_recent_windows_as_inputs(llama):
     opt = h2o_compile.optimize(llama, budget=5, compile=False)
     inputs = [n.name for n in opt.graph.graph.nodes if n.op == "placeholder"]
@@ -46,7 +61,8 @@ def test_the_runtime_graph_takes_the_recent_windows_as_inputs(llama):
 @pytest.mark.parametrize("batch,policy,sinks",
                          [(1, "h2o", 0), (3, "h2o", 1), (3, "random", 0), (2, "local", 0), (2, "sink", 2)])
 def test_compiled_fused_decode_keeps_the_same_slots_as_the_op(llama, batch, policy, sinks):
-    """Left-padded rows, a cache of 5 slots and 10 decode steps: eviction every step, padding rows included."""
+    """Left-padded rows, a cache of 5 slots and 10 decode steps: eviction every step, padding rows included.
+    The eager side without the native CPU ops (torch operators throughout), the compiled one with them."""
     gen = torch.Generator().manual_seed(batch)
     ids = torch.randint(1, VOCAB, (batch, 16), generator=gen)
     mask = torch.ones(batch, 6, dtype=torch.long)
@@ -55,11 +71,13 @@ def test_compiled_fused_decode_keeps_the_same_slots_as_the_op(llama, batch, poli
     fused = h2o_compile.optimize(llama, budget=5, policy=policy, sink_tokens=sinks, compile=True)
     for opt in (eager, fused):
         opt.reset(batch, 16)
-        opt.step(ids[:, :6], mask)
+    with native_cpu.disabled():
+        eager.step(ids[:, :6], mask)
+        want = [eager.step(ids[:, i:i + 1]) for i in range(6, 16)]
+    fused.step(ids[:, :6], mask)
     with strict_compile():
         for i in range(6, 16):
-            torch.testing.assert_close(fused.step(ids[:, i:i + 1]), eager.step(ids[:, i:i + 1]), rtol=1e-4,
-                                       atol=1e-4)
+            torch.testing.assert_close(fused.step(ids[:, i:i + 1]), want[i - 6], rtol=1e-4, atol=1e-4)
         assert_ran_compiled(graphs=1)
     for layer in range(2):
         assert torch.equal(fused.kept_positions(layer), eager.kept_positions(layer))

@@ -17,7 +17,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -28,56 +27,13 @@
 #include <tuple>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// The lanes of v folded with op (a horizontal max or sum).
-template <typename Op>
-float fold_lanes(const Vec& v, float init, Op op) {
-  float lanes[Vec::size()];
-  v.store(lanes);
-  for (int i = 0; i < Vec::size(); ++i) init = op(init, lanes[i]);
-  return init;
-}
-
-float row_max(const float* row, int64_t n, float start) {
-  Vec best(start);
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) best = at::vec::maximum(best, Vec::loadu(row + j));
-  float m = fold_lanes(best, start, [](float a, float b) { return std::max(a, b); });
-  for (; j < n; ++j) m = std::max(m, row[j]);
-  return m;
-}
-
-// row[j] <- exp(row[j] - m) in place; returns their sum. -inf (a hidden key) becomes exactly 0. ATen's
-// exp_u20 (the exponential torch's own CPU flash attention uses) is within ~2e-6 relative of the exact one;
-// it clamps a NaN logit instead of propagating it, which the spec's softmax would.
-float exp_in_place(float* row, int64_t n, float m) {
-  const Vec shift(m);
-  Vec total(0.f);
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) {
-    Vec p = (Vec::loadu(row + j) - shift).exp_u20();
-    p.store(row + j);
-    total = total + p;
-  }
-  float sum = fold_lanes(total, 0.f, [](float a, float b) { return a + b; });
-  for (; j < n; ++j) {
-    row[j] = std::exp(row[j] - m);
-    sum += row[j];
-  }
-  return sum;
-}
-
-// acc[j] += c * row[j]
-void add_scaled(float* acc, const float* row, int64_t n, float c) {
-  const Vec coef(c);
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) (Vec::loadu(acc + j) + coef * Vec::loadu(row + j)).store(acc + j);
-  for (; j < n; ++j) acc[j] += c * row[j];
-}
+using h2o_native::add_scaled;
+using h2o_native::kNegInf;
+using h2o_native::row_max;
 
 struct Inputs {
   at::Tensor q;         // [N, G, T, D]
@@ -129,7 +85,7 @@ void attend_tile(const Inputs& in, int64_t n, int64_t g, int64_t t0, int64_t t1,
     const int64_t seen = in.C + t + 1 - lo;
     std::fill(row + seen, row + cols, 0.f);
     const float m = row_max(row, seen, sink);  // finite: the query sees at least itself
-    float total = exp_in_place(row, seen, m);
+    float total = h2o_native::exp_in_place</*Fast=*/true>(row, seen, m);
     if (in.sink) total += std::exp(sink - m);  // a learned sink only adds to the denominator
     inv[r] = 1.f / total;
   }
@@ -222,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor> causal_attend_with_mass(
 
 }  // namespace
 
-TORCH_LIBRARY(h2o_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(h2o_cpu, m) {
   m.def("causal_attend_with_mass(Tensor q, Tensor keys, Tensor values, Tensor cache_pos, Tensor query_pos, "
         "int window, float scale, Tensor? sink, Tensor? weight, int query_tile) -> (Tensor, Tensor)");
 }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_compile.kernels import native_prefill, reference
+from h2o_compile.kernels import native_cpu, reference
 from h2o_compile.native_build import NativeBuildError
 
 from ..helpers import has_compiler
@@ -61,7 +61,7 @@ def test_one_pass_equals_the_float64_softmax(shape, window, sinks, weights):
     weight = {None: None, "random": torch.rand(n, t, generator=gen),
               "last 5": (torch.arange(t) >= t - 5).float().expand(n, t)}[weights]
     args = (cache_pos, query_pos, window, d ** -0.5, sink, weight)
-    out, mass = native_prefill.causal_attend_with_mass(q, k, v, *args)
+    out, mass = native_cpu.causal_attend_with_mass(q, k, v, *args)
     want_out, want_mass = _brute_force(q, k, v, *args)
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
@@ -74,7 +74,7 @@ def test_bf16_in_bf16_out_fp32_inside():
     q, k, v = torch.randn(2, 2, 90, 32, generator=gen), torch.randn(2, 100, 32), torch.randn(2, 100, 32)
     cache_pos, query_pos = torch.arange(10).expand(2, 10), torch.arange(10, 100).expand(2, 90)
     low = [x.bfloat16() for x in (q, k, v)]
-    out, mass = native_prefill.causal_attend_with_mass(*low, cache_pos, query_pos, 0, 0.2, None, None)
+    out, mass = native_cpu.causal_attend_with_mass(*low, cache_pos, query_pos, 0, 0.2, None, None)
     want_out, want_mass = _brute_force(*[x.float() for x in low], cache_pos, query_pos, 0, 0.2, None, None)
     assert out.dtype == torch.bfloat16 and mass.dtype == torch.float32
     torch.testing.assert_close(out.double(), want_out, rtol=1e-2, atol=1e-2)  # one bf16 rounding of the output
@@ -83,7 +83,7 @@ def test_bf16_in_bf16_out_fp32_inside():
 
 @needs_compiler
 def test_bad_shapes_and_dtypes_are_named():
-    native_prefill.available()
+    native_cpu.available()
     q, k, cache = torch.randn(1, 1, 4, 8), torch.randn(1, 4, 8), torch.ones(1, 0, dtype=torch.long)
     op = torch.ops.h2o_cpu.causal_attend_with_mass
     with pytest.raises(RuntimeError, match="keys/values must hold the C cached and T block keys"):
@@ -102,22 +102,24 @@ def test_a_failed_build_names_the_command_and_the_prefill_falls_back(monkeypatch
     fake.write_text("#!/bin/sh\necho 'fatal: no' >&2\nexit 3\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CXX", str(fake))
-    with pytest.raises(NativeBuildError, match=r"(?s)native CPU prefill op failed \(exit 3\).*bad-cxx.*"
+    with pytest.raises(NativeBuildError, match=r"(?s)native CPU ops failed \(exit 3\).*bad-cxx.*"
                                                r"prefill_mass.cc.*fatal: no"):
-        native_prefill.library_path()
-    monkeypatch.setattr(native_prefill, "_state", {})
-    with pytest.warns(RuntimeWarning, match="(?s)two-pass prefill.*fatal: no"):
-        assert native_prefill.available() is False
-    assert native_prefill.available() is False  # decided once per process
-    monkeypatch.setattr(native_prefill, "_state", {})
-    monkeypatch.setenv("H2O_COMPILE_NATIVE_PREFILL", "0")
-    assert native_prefill.available() is False
+        native_cpu.library_path()
+    monkeypatch.setattr(native_cpu, "_state", {})
+    with pytest.warns(RuntimeWarning, match="(?s)two-pass path and the decode attention eager torch.*fatal: no"):
+        assert native_cpu.available() is False
+    assert native_cpu.available() is False  # decided once per process
+    for switch in native_cpu.OFF_SWITCHES:
+        monkeypatch.setattr(native_cpu, "_state", {})
+        monkeypatch.setenv(switch, "0")
+        assert native_cpu.available() is False and native_cpu._state["why"] == f"{switch}=0"
+        monkeypatch.delenv(switch)
 
 
 @needs_compiler
 def test_the_library_is_built_once_per_torch_and_source():
-    path = native_prefill.library_path()
-    assert f"torch-{torch.__version__}-" in str(path) and path == native_prefill.library_path()
+    path = native_cpu.library_path()
+    assert f"torch-{torch.__version__}-" in str(path) and path == native_cpu.library_path()
 
 
 @needs_compiler
@@ -128,8 +130,8 @@ def test_the_op_prefill_takes_the_one_pass_where_a_rule_reads_the_mass(monkeypat
     that read none through torch's causal kernel alone, except on a window layer (the one-pass op is faster
     there either way)."""
     calls = []
-    real = native_prefill.causal_attend_with_mass
-    monkeypatch.setattr(native_prefill, "causal_attend_with_mass", lambda *a: calls.append(1) or real(*a))
+    real = native_cpu.causal_attend_with_mass
+    monkeypatch.setattr(native_cpu, "causal_attend_with_mass", lambda *a: calls.append(1) or real(*a))
     gen = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(1, 4, 40, 16, generator=gen), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     positions, valid = torch.arange(40)[None], torch.ones(1, 40, dtype=torch.bool)
