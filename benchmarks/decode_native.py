@@ -47,7 +47,7 @@ def time_steps(opts: dict, batch: int, total: int, steps: int, rounds: int) -> d
     token = prompt[:, -1:]
     for variant, opt in opts.items():
         with _native_off(variant):
-            opt.reset(batch, total + rounds * steps + 8)
+            opt.reset(batch, total)
             opt.step(prompt)
             opt.step(token)  # compiles (the first batch) or warms
     times = {v: [] for v in opts}
@@ -68,7 +68,7 @@ def time_attention(opt, batch: int, repeats: int = 200) -> dict:
 
     key_cache, value_cache, _, pos_cache = opt.layer_states()[0][:4]
     b, hkv, cap, d = key_cache.shape
-    hq = text_config(opt.model.config).num_attention_heads
+    hq = text_config(opt.model).num_attention_heads
     q, k, v = torch.randn(b, hq, 1, d), torch.randn(b, hkv, 1, d), torch.randn(b, hkv, 1, value_cache.shape[3])
     valid, new_pos = torch.ones(b, 1, dtype=torch.bool), pos_cache.amax(dim=2, keepdim=True) + 1
     state = reference.make_state(key_cache, value_cache, None, pos_cache)
@@ -93,12 +93,12 @@ def markdown(rows: list[dict], command: str, machine: str) -> str:
              "`step ms`: median decode step of a request of `total` tokens (half prompt) at H2O budget "
              f"{rows[0]['budget']}, the four variants alternating in one process; `attention us`: the first "
              "layer's attention op alone at the same shapes.", "",
-             "| model | batch | cache slots | " + " | ".join(f"{v} ms" for v in VARIANTS)
+             "| model | batch | request tokens | cache slots | " + " | ".join(f"{v} ms" for v in VARIANTS)
              + " | compiled gain | eager gain | attention us, native | attention us, torch ops |",
-             "|---" * (9 + len(VARIANTS) - 2) + "|"]
+             "|---" * (8 + len(VARIANTS)) + "|"]
     for r in rows:
         s, a = r["step_ms"], r["attention_us"]
-        lines.append(f"| {r['model']} | {r['batch']} | {a['shape']['C']} | "
+        lines.append(f"| {r['model']} | {r['batch']} | {r['total']} | {a['shape']['C']} | "
                      + " | ".join(f"{s[v]:.2f}" for v in VARIANTS)
                      + f" | {s['compiled, torch ops'] / s['compiled, native']:.2f}x"
                      + f" | {s['eager, torch ops'] / s['eager, native']:.2f}x"
@@ -129,6 +129,9 @@ def main() -> None:
         raise SystemExit(f"--batches {args.batches!r}: comma-separated positive integers") from None
     if min(batches + [args.total, args.steps, args.rounds, args.threads]) < 1:
         raise SystemExit("--batches, --total, --steps, --rounds and --threads must be >= 1")
+    if 1 + args.steps * args.rounds > args.total - args.total // 2:
+        raise SystemExit(f"--steps x --rounds = {args.steps * args.rounds} decode steps do not fit in the second half "
+                         f"of --total {args.total}")
     if not native_cpu.available():
         raise SystemExit("the native CPU ops could not be built here; nothing to compare")
     torch.set_num_threads(args.threads)
@@ -142,7 +145,7 @@ def main() -> None:
                          "step_ms": steps, "attention_us": attention})
             print(json.dumps(rows[-1]), flush=True)
     command = "python benchmarks/decode_native.py " + shlex.join(sys.argv[1:])
-    report = markdown(rows, command, f"{machine_description()}, {args.threads} torch threads")
+    report = markdown(rows, command, machine_description())
     print(report)
     if args.out:
         out = Path(args.out)
