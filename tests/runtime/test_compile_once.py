@@ -152,3 +152,22 @@ def test_last_position_logits_equal_the_full_logits_and_leave_the_same_cache(lon
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"logits_to_keep=2; allowed: 0 \(every position\) or 1"):
         last.step(ids[:, :1], logits_to_keep=2)
+
+
+def test_a_cpu_compile_trusts_the_cpu_flags_once_the_native_ops_are_built():
+    """Inductor's per-process probe of the vector instruction sets (a compile and a load per set) is skipped on
+    CPU when the native ops built with -march=native; kept on other devices and where they are not built."""
+    from h2o_compile.compiling import _patches
+    from h2o_compile.kernels import native_cpu
+
+    def trusts(device: str) -> bool:
+        seen = []
+        for patch in _patches("default", torch.device(device), dynamic=False):
+            with patch:
+                seen.append(torch._inductor.config.cpp.vec_isa_ok)
+        return True in seen
+
+    assert trusts("cpu") is native_cpu.available()
+    assert not trusts("meta")
+    with native_cpu.disabled():
+        assert not trusts("cpu")
