@@ -1,5 +1,6 @@
-"""The decode step on CPU with its attention through the native op (kernels/native/decode_attend.cc) and through
-torch's operators (``reference.attend_decode``), compiled and eager, in one process:
+"""The decode step on CPU through the native ops (kernels/native: the attention, decode_attend.cc, and the linear
+layers, rows_linear.cc) and through torch's operators (``reference.attend_decode``, BLAS), compiled and eager, in
+one process:
 
     python benchmarks/decode_native.py --out docs/results/decode_native_cpu          # kvbound, batches 1,4,8
     python benchmarks/decode_native.py --model gemma3-270m --batches 1,8 --total 2048
@@ -7,8 +8,10 @@ torch's operators (``reference.attend_decode``), compiled and eager, in one proc
 Per batch: a request of ``--total`` tokens (half of them prompt, so the H2O cache holds budget x total slots);
 four models built from the same weights (compiled / eager x native / torch operators), each prefilled with
 the same prompt, then ``--rounds`` rounds of ``--steps`` decode steps, the four alternating, the median step per
-model; and the attention op alone at the first layer's shapes, both ways. The compiled torch-operator model is
-compiled under ``native_cpu.disabled()``, which is how the step decides at compile time.
+model; the attention op alone at the first layer's shapes, both ways; and every linear layer of one step at the
+batch's rows: ``rows_linear`` against torch's BLAS as ``W @ x^T`` (what the step ran before) and as ``x @ W^T``
+(``F.linear``). The compiled torch-operator model is compiled under ``native_cpu.disabled()``, which is how the
+step decides at compile time.
 """
 
 from __future__ import annotations
@@ -87,22 +90,55 @@ def time_attention(opt, batch: int, repeats: int = 200) -> dict:
     return result
 
 
+def time_linears(model, batch: int, repeats: int = 15) -> dict:
+    """Every 2-D weight of ``model`` except the embedding times ``batch`` rows, three ways: milliseconds for the
+    whole set (one decode step's linear layers), median of ``repeats``."""
+    import torch.nn.functional as F
+
+    from h2o_compile.kernels import native_cpu
+
+    embedding = model.get_input_embeddings().weight
+    weights = [p for p in model.parameters() if p.dim() == 2 and p is not embedding]
+    if model.get_output_embeddings() is not None and model.get_output_embeddings().weight is embedding:
+        weights.append(embedding)  # a tied output projection is read by every step too
+    rows = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+    forms = {"rows_linear": lambda w: native_cpu.rows_linear(rows[w.shape[1]], w),
+             "W @ x^T": lambda w: w @ rows[w.shape[1]].t(),
+             "x @ W^T": lambda w: F.linear(rows[w.shape[1]], w)}
+    result = {}
+    for name, form in forms.items():
+        times = []
+        for _ in range(repeats + 2):
+            start = time.perf_counter()
+            for w in weights:
+                form(w)
+            times.append(time.perf_counter() - start)
+        result[name] = 1000 * statistics.median(times[2:])
+    result["weight_mib"] = sum(w.numel() * w.element_size() for w in weights) / 2**20
+    return result
+
+
 def markdown(rows: list[dict], command: str, machine: str) -> str:
-    lines = ["# The CPU decode step: attention through the native op or torch's operators", "",
+    lines = ["# The CPU decode step: through the native ops or torch's operators", "",
              f"Command: `{command}`  ", f"Machine: {machine}", "",
              "`step ms`: median decode step of a request of `total` tokens (half prompt) at H2O budget "
-             f"{rows[0]['budget']}, the four variants alternating in one process; `attention us`: the first "
-             "layer's attention op alone at the same shapes.", "",
+             f"{rows[0]['budget']}, the four variants alternating in one process (`native`: the attention and "
+             "the linear layers through the native ops); `attention us`: the first layer's attention op alone "
+             "at the same shapes; `linears ms`: one step's linear layers "
+             f"({rows[0]['linears_ms']['weight_mib']:.0f} MiB of weights) at the batch's rows, three ways.", "",
              "| model | batch | request tokens | cache slots | " + " | ".join(f"{v} ms" for v in VARIANTS)
-             + " | compiled gain | eager gain | attention us, native | attention us, torch ops |",
-             "|---" * (8 + len(VARIANTS)) + "|"]
+             + " | compiled gain | eager gain | attention us, native | attention us, torch ops"
+             + " | linears ms, rows_linear | linears ms, W @ x^T | linears ms, x @ W^T |",
+             "|---" * (11 + len(VARIANTS)) + "|"]
     for r in rows:
         s, a = r["step_ms"], r["attention_us"]
         lines.append(f"| {r['model']} | {r['batch']} | {r['total']} | {a['shape']['C']} | "
                      + " | ".join(f"{s[v]:.2f}" for v in VARIANTS)
                      + f" | {s['compiled, torch ops'] / s['compiled, native']:.2f}x"
                      + f" | {s['eager, torch ops'] / s['eager, native']:.2f}x"
-                     + f" | {a['native']:.0f} | {a['torch ops']:.0f} |")
+                     + f" | {a['native']:.0f} | {a['torch ops']:.0f}"
+                     + " | " + " | ".join(f"{r['linears_ms'][k]:.2f}" for k in ("rows_linear", "W @ x^T", "x @ W^T"))
+                     + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -141,8 +177,9 @@ def main() -> None:
         for batch in batches:
             steps = time_steps(opts, batch, args.total, args.steps, args.rounds)
             attention = time_attention(opts["eager, native"], batch)
+            linears = time_linears(opts["eager, native"].model, batch)
             rows.append({"model": args.model, "batch": batch, "total": args.total, "budget": args.budget,
-                         "step_ms": steps, "attention_us": attention})
+                         "step_ms": steps, "attention_us": attention, "linears_ms": linears})
             print(json.dumps(rows[-1]), flush=True)
     command = "python benchmarks/decode_native.py " + shlex.join(sys.argv[1:])
     report = markdown(rows, command, machine_description())

@@ -36,13 +36,14 @@ def decode_step_graph(graph: torch.fx.GraphModule, mode: str, device: torch.devi
     sharing the weights whose eviction bookkeeping is plain torch ops Inductor fuses
     (passes.fuse_decode_bookkeeping; the Triton decode kernel fuses it on GPU), on CPU its attention through
     the native op where it is built (kernels/native_cpu.py) and its linear layers as
-    ``weight @ x^T`` (passes/weight_major_linear.py) unless the mode freezes the weights, which Inductor then
-    prepacks in their ``aten.linear`` form."""
+    ``weight @ x^T`` or through the native ``rows_linear`` where it is built (passes/weight_major_linear.py)
+    unless the mode freezes the weights, which Inductor then prepacks in their ``aten.linear`` form."""
     if backend_for(device) != "reference":
         return graph
-    step = fuse_decode_bookkeeping(graph, native=device.type == "cpu" and native_cpu.available())
+    native = device.type == "cpu" and native_cpu.available()
+    step = fuse_decode_bookkeeping(graph, native=native)
     if device.type == "cpu" and not freezes_weights(mode, device):
-        weight_major_linears(step)
+        weight_major_linears(step, native=native)
     return step
 
 
@@ -76,7 +77,8 @@ class H2OModel(nn.Module):
                        policy=config.rule.spec, seed=config.seed)
         self._recent = []    # the recent window per layer, an input of every call
         self._compiled_step = None      # built on the first compiled decode step
-        self._eager_step_graph = None   # built on the first eager CPU decode step of two rows or more
+        self._eager_step_graph = None   # built on the first eager CPU decode step that needs it (_eager_decode_step)
+        self._eager_step_native = False  # whether its linears are the native rows_linear
         self._last_logits_graph = None  # built on demand from the graph
         self.register_buffer("seen", torch.zeros(0, dtype=torch.long), persistent=False)
 
@@ -210,14 +212,17 @@ class H2OModel(nn.Module):
         return self.regional_compile
 
     def _eager_decode_step(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor) -> Tensor:
-        """The eager one-token step on CPU: with two rows or more its linear layers as ``weight @ x^T``
-        (passes/weight_major_linear.py; docs/results/eager_decode_layout_cpu.md: 1.5-1.9x faster a step at batch
-        2 on kvbound); a single row keeps ``aten.linear``, where three runs found no consistent difference."""
-        if input_ids.shape[0] == 1:
+        """The eager one-token step on CPU: its linear layers through the native ``rows_linear`` where it is built
+        (kernels/native_cpu.py), else, with two rows or more, as ``weight @ x^T`` (passes/weight_major_linear.py;
+        docs/results/eager_decode_layout_cpu.md: 1.5-1.9x faster a step at batch 2 on kvbound); a single row
+        then keeps ``aten.linear``, where three runs found no consistent difference."""
+        native = native_cpu.available()
+        if input_ids.shape[0] == 1 and not native:
             return self._run_graph(input_ids, positions, valid, *state)
-        if self._eager_step_graph is None:
+        if self._eager_step_graph is None or self._eager_step_native != native:
             self._eager_step_graph = copy_graph_module(self.graph)  # shares the weights
-            weight_major_linears(self._eager_step_graph)
+            self._eager_step_native = native
+            weight_major_linears(self._eager_step_graph, native=native)
         return self._eager_step_graph(input_ids, positions, valid, *state, *self._recent, None)
 
     @torch.no_grad()

@@ -8,6 +8,8 @@ loaded as ``torch.ops.h2o_cpu.*``:
 - ``attend_decode`` (decode_attend.cc): the decode step's attention and mass (``reference.attend_decode``) in
   one call per layer instead of about fifteen small eager operators, whose dispatch costs more than their
   arithmetic at decode sizes.
+- ``rows_linear`` (rows_linear.cc): a linear layer over the decode step's few rows, each weight read once while
+  the rows stay in L1; the row counts where torch's BLAS streams the weights as fast go to it.
 
 Where the library cannot be built (no compiler, a torch without its headers) both paths keep their torch
 implementations (same results) and say so once, in a warning naming the compiler's message;
@@ -28,7 +30,7 @@ from torch import Tensor
 from ..native_build import cache_root, compile_cached, compiler, digest
 
 HERE = Path(__file__).resolve().parent / "native"
-SOURCES = ("prefill_mass.cc", "decode_attend.cc")
+SOURCES = ("prefill_mass.cc", "decode_attend.cc", "rows_linear.cc")
 HEADERS = ("vec_math.h",)
 QUERY_TILE = 64  # prefill queries per tile: their logits ([64, S] fp32, 1 MiB at S = 4096) stay in L2 / L3
 OFF_SWITCHES = ("H2O_COMPILE_NATIVE_CPU", "H2O_COMPILE_NATIVE_PREFILL")
@@ -76,6 +78,7 @@ def available() -> bool:
             if not hasattr(torch.ops.h2o_cpu, "attend_decode"):  # registered once per process
                 torch.ops.load_library(str(path))
                 torch.library.register_fake("h2o_cpu::attend_decode")(_attend_decode_fake)
+                torch.library.register_fake("h2o_cpu::rows_linear")(_rows_linear_fake)
             _state.update(loaded=True)
         except Exception as exc:  # noqa: BLE001 - any failure to build or load means: the torch paths
             _state.update(loaded=False, why=str(exc))
@@ -144,6 +147,23 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, key_cache: Ten
     """
     return torch.ops.h2o_cpu.attend_decode(q, k, v, valid, key_cache, value_cache, pos_cache, scale, new_pos,
                                            window, softcap, sink_logits)
+
+
+def rows_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` for the few rows of a decode step (rows_linear.cc); the caller checked
+    :func:`available` outside any traced code, as for :func:`attend_decode`.
+
+    Args:
+        x: [..., in]; weight: [out, in]; bias: [out] or None.
+    Returns:
+        [..., out] (fp32 sums in another order than torch's BLAS: equal within rounding).
+    """
+    rows = x.reshape(-1, x.shape[-1])
+    return torch.ops.h2o_cpu.rows_linear(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def _rows_linear_fake(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def _attend_decode_fake(q, k, v, valid, key_cache, value_cache, pos_cache, scale, new_pos, window, softcap, sink):

@@ -52,13 +52,18 @@ def _weight_is_matrix(gm: GraphModule, weight) -> bool:
     return isinstance(val, Tensor) and val.dim() == 2
 
 
-def weight_major_linears(gm: GraphModule) -> int:
+def weight_major_linears(gm: GraphModule, native: bool = False) -> int:
     """Rewrite every ``aten.linear`` node of ``gm`` whose weight is a plain matrix (in place) to
-    :func:`linear_weight_major`; the count."""
+    :func:`linear_weight_major`, or with ``native`` to the native CPU op ``kernels.native_cpu.rows_linear``
+    (which streams each weight once for the row counts where BLAS does not, and calls this same BLAS form for
+    the others; the caller checked that the op is built); the count."""
+    from ..kernels import native_cpu
+
+    target = native_cpu.rows_linear if native else linear_weight_major
     count = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is _LINEAR and _weight_is_matrix(gm, node.args[1]):
-            node.target = linear_weight_major
+            node.target = target
             count += 1
     if count:
         gm.graph.lint()

@@ -4,14 +4,18 @@ built on the rewritten graph (but not under max-autotune, whose frozen weights I
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import h2o_compile
 from h2o_compile import runtime
+from h2o_compile.kernels import native_cpu
 from h2o_compile.passes import linear_weight_major, weight_major_linears
 
+from ..helpers import has_compiler
 from ..runtime.arch_configs import VOCAB, build
 
 _LINEAR = torch.ops.aten.linear.default
@@ -100,7 +104,11 @@ def test_the_compiled_cpu_step_gets_the_rewrite_unless_weights_are_frozen(monkey
     assert _linears(opt.graph) == 15  # the prompt's graph keeps aten.linear
 
 
-def test_the_eager_cpu_step_takes_the_rewrite_from_two_rows_and_matches_aten_linear():
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not has_compiler(), reason="no C++ compiler: the native op cannot be built here"))])
+def test_the_eager_cpu_step_rewrites_its_linears_and_matches_aten_linear(native):
+    """Without the native ops from two rows on (a single row keeps aten.linear); with them, every row count
+    through rows_linear."""
     model = build("llama", seed=3)
     opt = h2o_compile.optimize(model, budget=5, compile=False)
     ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -112,15 +120,19 @@ def test_the_eager_cpu_step_takes_the_rewrite_from_two_rows_and_matches_aten_lin
         logits += [opt.step(nxt[:batch, i:i + 1]) for i in range(nxt.shape[1])]
         return torch.cat(logits, dim=1), [t.clone() for t in opt.state()]
 
-    one_row, _ = run(1)
-    assert opt._eager_step_graph is None  # a single row keeps aten.linear
-    got, got_state = run(2)
-    assert opt._eager_step_graph is not None
-    assert _linears(opt._eager_step_graph) == 0 and _linears(opt.graph) == 15
-    # the same decode through the prompt's graph (aten.linear everywhere) is the reference
-    opt._eager_step_graph = opt.graph
-    want, want_state = run(2)
+    with contextlib.nullcontext() if native else native_cpu.disabled():
+        one_row, _ = run(1)
+        assert (opt._eager_step_graph is not None) == native  # without them a single row keeps aten.linear
+        got, got_state = run(2)
+        step = opt._eager_step_graph
+        assert _linears(step) == 0 and _linears(opt.graph) == 15
+        target = native_cpu.rows_linear if native else linear_weight_major
+        assert sum(n.target is target for n in step.graph.nodes) == 15
+        # the same decode through the prompt's graph (aten.linear everywhere) is the reference
+        opt._eager_step_graph = opt.graph
+        want, want_state = run(2)
+        want_one_row, _ = run(1)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[:1], one_row, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(one_row, want_one_row, rtol=1e-5, atol=1e-5)
     for a, b in zip(got_state, want_state):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
