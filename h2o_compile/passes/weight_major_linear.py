@@ -7,8 +7,10 @@ same product as ``W @ x^T`` (the weight as the left operand) does not. ``benchma
 (docs/results/linear_layout_cpu.md): 60 weights of 1024 x 512 at two rows, 7.0 GB/s as ``mm(x, W.t())`` vs
 32.4 GB/s as ``W @ x.t()`` (a plain sum: 28.0 GB/s); at one row both forms read 10 GB/s, at eight 7.1 vs 13.2.
 
-Only for the one-token step compiled on CPU (``runtime.decode_step_graph``): the prompt's products have many
-rows, where the usual form is as fast, and GPU GEMMs have no such case.
+Only for the one-token step on CPU (``runtime.decode_step_graph``, ``H2OModel._eager_decode_step``): the
+prompt's products have many rows, where the usual form is as fast, and GPU GEMMs have no such case. Where the
+native CPU ops are built the step calls ``kernels.native_cpu.rows_linear`` instead, which streams each weight
+once for the row counts where even this form does not (one row: a matrix-vector product at about 10 GB/s).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 from torch.fx import GraphModule
+
+from ..kernels import native_cpu
 
 _LINEAR = torch.ops.aten.linear.default
 
@@ -57,8 +61,6 @@ def weight_major_linears(gm: GraphModule, native: bool = False) -> int:
     :func:`linear_weight_major`, or with ``native`` to the native CPU op ``kernels.native_cpu.rows_linear``
     (which streams each weight once for the row counts where BLAS does not, and calls this same BLAS form for
     the others; the caller checked that the op is built); the count."""
-    from ..kernels import native_cpu
-
     target = native_cpu.rows_linear if native else linear_weight_major
     count = 0
     for node in gm.graph.nodes:
