@@ -146,12 +146,13 @@ def main() -> None:
     import shlex
     import sys
 
+    from h2o_compile.arguments import csv_of
     from h2o_compile.kernels import native_cpu
     from h2o_compile.reporting import machine_description
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="kvbound", choices=("kvbound", "gemma3-270m", "smoke"))
-    p.add_argument("--batches", default="1,4,8")
+    p.add_argument("--batches", type=csv_of(int), default=[1, 4, 8], help="comma-separated (1,4,8)")
     p.add_argument("--total", type=int, default=1280, help="prompt + new tokens of the timed request")
     p.add_argument("--budget", type=float, default=0.2)
     p.add_argument("--steps", type=int, default=20, help="decode steps per round")
@@ -159,10 +160,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="folder for decode_native.json / .md")
     args = p.parse_args()
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        raise SystemExit(f"--batches {args.batches!r}: comma-separated positive integers") from None
+    batches = args.batches
     if min(batches + [args.total, args.steps, args.rounds, args.threads]) < 1:
         raise SystemExit("--batches, --total, --steps, --rounds and --threads must be >= 1")
     if 1 + args.steps * args.rounds > args.total - args.total // 2:

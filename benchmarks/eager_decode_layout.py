@@ -13,6 +13,7 @@ import statistics
 
 import torch
 
+from h2o_compile.arguments import csv_of
 from h2o_compile.bench.contenders import H2OContender
 from h2o_compile.bench.decode import _timed_block, build_model
 from h2o_compile.passes import weight_major_linears
@@ -43,17 +44,14 @@ def step_ms(batch: int, total: int, context: int, steps: int, repeats: int, mode
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--batches", type=csv_of(int), default=[1, 2, 4, 8], help="comma-separated (1,2,4,8)")
     p.add_argument("--total", type=int, default=1200, help="max_seq_len the cache is sized for")
     p.add_argument("--context", type=int, default=700, help="tokens already in the cache")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = p.parse_args()
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        raise SystemExit(f"--batches {args.batches!r}: comma-separated positive integers") from None
+    batches = args.batches
     if min(batches + [args.steps, args.repeats]) < 1 or not 0 < args.context < args.total - args.steps:
         raise SystemExit("--batches, --steps, --repeats must be >= 1 and 0 < --context < --total - --steps")
     torch.set_num_threads(2)

@@ -16,6 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from h2o_compile.arguments import csv_of
 from h2o_compile.passes import linear_weight_major
 from h2o_compile.reporting import machine_description
 
@@ -41,17 +42,14 @@ def gb_per_s(fn, x, weights, repeats: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="1,2,8", help="comma-separated rows (the decode batch)")
+    p.add_argument("--rows", type=csv_of(int), default=[1, 2, 8], help="comma-separated rows (the decode batch)")
     p.add_argument("--out-features", type=int, default=1024)
     p.add_argument("--in-features", type=int, default=512)
     p.add_argument("--matrices", type=int, default=60)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", default=None, help="also write the figures as JSON here")
     args = p.parse_args()
-    try:
-        rows_list = [int(r) for r in args.rows.split(",")]
-    except ValueError:
-        raise SystemExit(f"--rows {args.rows!r}: comma-separated positive integers") from None
+    rows_list = args.rows
     if min(rows_list + [args.out_features, args.in_features, args.matrices, args.repeats]) < 1:
         raise SystemExit("--rows, --out-features, --in-features, --matrices and --repeats must be >= 1")
 

@@ -1,5 +1,5 @@
 """argparse types shared by the command modules (cli.py, quality/commands.py), which import this one and not
-each other."""
+each other, and by the scripts under benchmarks/."""
 
 from __future__ import annotations
 

@@ -83,8 +83,8 @@ def available() -> bool:
         except Exception as exc:  # noqa: BLE001 - any failure to build or load means: the torch paths
             _state.update(loaded=False, why=str(exc))
             warnings.warn("h2o_compile: the native CPU ops could not be built, so the prefill of rules that read "
-                          "scores takes the two-pass path and the decode attention eager torch operators (slower, "
-                          f"same result): {exc}", RuntimeWarning, stacklevel=2)
+                          "scores takes the two-pass path and the decode step torch's operators (slower, same "
+                          f"result): {exc}", RuntimeWarning, stacklevel=2)
     return bool(_state["loaded"])
 
 
@@ -98,10 +98,6 @@ def disabled():
     finally:
         _state.clear()
         _state.update(saved)
-
-
-def _unavailable() -> RuntimeError:
-    return RuntimeError(f"the native CPU ops are unavailable: {_state['why']}")
 
 
 def causal_attend_with_mass(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tensor, query_pos: Tensor, window: int,
@@ -119,7 +115,7 @@ def causal_attend_with_mass(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tenso
     Raises RuntimeError naming the reason when the op could not be built (see ``available``).
     """
     if not available():
-        raise _unavailable()
+        raise RuntimeError(f"the native CPU ops are unavailable: {_state['why']}")
     out, mass = torch.ops.h2o_cpu.causal_attend_with_mass(qf.float(), kf.float(), vf.float(), cache_pos, query_pos,
                                                           window, scale, sink, weight, QUERY_TILE)
     return out.to(qf.dtype), mass

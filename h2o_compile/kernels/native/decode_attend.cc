@@ -75,8 +75,9 @@ void attend_item(const DecodeInputs& in, const scalar_t* keys, const scalar_t* v
   const float* q = in.q + item * in.G * in.D;
   const int64_t* pos = in.pos + item * C;
   const int64_t oldest = in.window > 0 ? in.newest[item] - in.window : -1;  // slots at or before it are hidden
+  const auto hidden = [&](int64_t c) { return pos[c] < 0 || pos[c] <= oldest; };
   for (int64_t c = 0; c < C; ++c) {
-    if (pos[c] < 0 || pos[c] <= oldest) {
+    if (hidden(c)) {
       for (int64_t g = 0; g < in.G; ++g) probs[g * S + c] = kNegInf;
       continue;
     }
@@ -98,7 +99,7 @@ void attend_item(const DecodeInputs& in, const scalar_t* keys, const scalar_t* v
   // out = P.V over the slots, one value row read (and converted) once for the G heads; then the new value.
   std::fill(out, out + in.G * in.Dv, 0.f);
   for (int64_t c = 0; c < C; ++c) {
-    if (pos[c] < 0 || pos[c] <= oldest) continue;  // probability exactly 0
+    if (hidden(c)) continue;  // probability exactly 0
     const float* value = as_float(values + (item * C + c) * in.Dv, in.Dv, row);
     for (int64_t g = 0; g < in.G; ++g) h2o_native::add_scaled(out + g * in.Dv, value, in.Dv, probs[g * S + c]);
   }
