@@ -103,7 +103,15 @@ def main() -> None:
     paths = write_stream_report([run], args.out, model_name=args.model, text_names=[Path(p).name for p in args.text],
                                 max_positions=getattr(model.config, "max_position_embeddings", None),
                                 elapsed_s=time.perf_counter() - start)
+    markdown = Path(paths["markdown"])
+    markdown.write_text(probe_note(args.max_distance) + markdown.read_text())
     print(f"stream perplexity {run.perplexity:.3f}; wrote {paths}")
+
+
+def probe_note(max_distance: int) -> str:
+    """What the shared stream report cannot say: its "rolling positions" rows ran with this probe's numbering."""
+    return (f"> Probe (benchmarks/stream_positions_probe.py): the rows labelled \"rolling positions\" ran with every "
+            f"key at its true distance to the block's last query, capped at {max_distance:,}, not at its rank.\n\n")
 
 
 if __name__ == "__main__":
