@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from h2o_compile.kernels import reference
-from h2o_compile.kernels.rolling import RopeTables
+from h2o_compile.kernels.rolling import RopeTables, rotate
 from h2o_compile.quality.stream import stream_perplexity
 from h2o_compile.quality.stream_report import write_stream_report
 from h2o_compile.zoo.data import encode_stream
@@ -46,32 +46,30 @@ def table_frequencies(tables: RopeTables) -> tuple[Tensor, Tensor]:
     return (torch.atan2(sin[last], cos[last]) + 2 * math.pi * turns) / last, amplitude
 
 
-def rotate_at(x: Tensor, positions: Tensor, frequency: Tensor, amplitude: Tensor) -> Tensor:
-    """x [B, H, T, D] rotated as the model's rotary embedding on its first R dims at ``positions`` [B, Hkv, T]."""
-    b, h, t, d = x.shape
-    width = frequency.numel()
-    angle = positions.double()[..., None] * frequency                   # [B, Hkv, T, R]
-    cos = (angle.cos() * amplitude).repeat_interleave(h // positions.shape[1], dim=1)
-    sin = (angle.sin() * amplitude).repeat_interleave(h // positions.shape[1], dim=1)
-    part = x[..., :width].double()
-    half = width // 2
-    turned = torch.cat([-part[..., half:], part[..., :half]], dim=-1)
-    rotated = (part * cos + turned * sin).to(x.dtype)
-    return rotated if width == d else torch.cat([rotated, x[..., width:]], dim=-1)
+def wide_tables(tables: RopeTables, rows: int) -> RopeTables:
+    """The model's rotary tables recomputed in float64 at positions 0..rows-1 ([1, rows, R]), past the S rows
+    the graph built, for kernels/rolling.rotate (which rotates in the tables' dtype)."""
+    frequency, amplitude = table_frequencies(tables)
+    angle = torch.arange(rows, dtype=torch.float64)[:, None] * frequency
+    return RopeTables((angle.cos() * amplitude)[None], (angle.sin() * amplitude)[None])
 
 
 def capped_rotate_block(max_distance: int):
     """A drop-in for kernels/rolling.rotate_block numbering keys by true distance, capped at ``max_distance``."""
+    built: dict[bytes, RopeTables] = {}  # one wide table per rotary kind (Gemma 3: local and global bases)
 
     def rotate_block(q: Tensor, k: Tensor, key_cache: Tensor, pos_cache: Tensor, valid: Tensor,
                      tables: RopeTables) -> tuple[Tensor, Tensor, Tensor]:
-        frequency, amplitude = table_frequencies(tables)
+        key = tables.cos[0, :2].double().numpy().tobytes() + tables.sin[0, :2].double().numpy().tobytes()
+        if key not in built:
+            built[key] = wide_tables(tables, max_distance + 1)           # positions 0..D: the last query sits at D
+        wide = built[key]
         newest_held = pos_cache.max(dim=-1, keepdim=True).values        # [B, Hkv, 1]; the recent window holds it
         block = newest_held + 1 + (valid.long().cumsum(-1) - 1).clamp(min=0)[:, None, :]   # [B, Hkv, T]
-        base = block[..., -1:] - max_distance                            # the last query sits at max_distance
+        base = block[..., -1:] - max_distance
         cache_positions = (pos_cache - base).clamp(min=0)
-        return (rotate_at(q, block - base, frequency, amplitude), rotate_at(k, block - base, frequency, amplitude),
-                rotate_at(key_cache, cache_positions, frequency, amplitude))
+        return (rotate(q, wide, block - base), rotate(k, wide, block - base),
+                rotate(key_cache, wide, cache_positions))
 
     return rotate_block
 
