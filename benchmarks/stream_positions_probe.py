@@ -10,9 +10,9 @@ option: nothing here is wired into the compiled, Triton or ONNX backends.
 
     python benchmarks/stream_positions_probe.py --model gemma3-270m \\
         --text ../shared/data/books/war_and_peace.txt --tokens 65536 --budget-slots 1024 --chunk 128 \\
-        --max-distance 16384 --out docs/results/stream/gemma3_64k_capped16k
+        --max-distance 16384 --out docs/results/stream/gemma3_64k_capped16384
 
-Writes stream.json / stream.md (the same report as ``h2o-compile stream``) with the command and machine.
+Writes the same report as ``h2o-compile stream`` (stream.json / .md / .png, with the command and machine).
 """
 
 from __future__ import annotations
