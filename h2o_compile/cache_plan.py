@@ -24,7 +24,7 @@ from torch import Tensor
 from .config import H2OConfig
 from .kernels.quantized import EMPTY_SCALE
 from .passes.h2o_attention import LayerSpec, state_fields
-from .support import ModelLimits, check_rolling_fits, check_sequence_fits
+from .support import ModelLimits, check_capped_fits, check_rolling_fits, check_sequence_fits
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,10 @@ class CachePlan:
             raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 1")
         if config.positions == "true":  # rolling positions stay below C + block whatever the length
             check_sequence_fits(limits, max_seq_len)
+        elif rolling_block is not None and config.positions == "capped":  # the longest block decides
+            config.position_cap(limits.max_positions)
+            check_capped_fits(limits, min(rolling_block, max_seq_len),
+                              context=f"max_seq_len={max_seq_len} with prefill={config.prefill!r}: ")
         elif rolling_block is not None:  # rolling: the last block of the sequence decides
             block = min(rolling_block, max_seq_len)
             slots = max(config.layer_params(max_seq_len, window)[0] for window in limits.windows)

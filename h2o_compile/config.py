@@ -9,7 +9,7 @@ from typing import Optional, Union
 from .kernels.quantized import check_kv_dtype
 from .kernels.rules import SCORES, EvictionRule
 
-POSITIONS = ("true", "rolling")
+POSITIONS = ("true", "rolling", "capped")
 POLICIES = ("h2o", "local", "sink", "random", "full")
 
 # StreamingLLM keeps four "attention sink" tokens; the `sink` policy uses that unless told otherwise.
@@ -40,7 +40,12 @@ class H2OConfig:
         positions: ``"true"`` rotates keys at their text positions (the model's own behaviour);
             ``"rolling"`` caches keys before RoPE and rotates them by their rank in the cache at attention
             time (StreamingLLM), so a stream can run past the model's max_position_embeddings with every
-            relative distance below C + block (rotary models only).
+            relative distance below C + block (rotary models only). ``"capped"`` caches keys before RoPE
+            too and rotates each at its true distance to the block's last query, capped at ``max_distance``:
+            recent keys sit where the model expects them, older ones at that one far distance (measured
+            better than rank over long streams, docs/results/stream/README.md).
+        max_distance: D of ``positions="capped"``: None = half the model's max_position_embeddings (the best
+            of the caps measured on Gemma 3 270M); an int in [1, max_position_embeddings - 1].
         score: the eviction key of policy ``h2o``: ``"sum"`` (the paper: accumulated attention) or ``"mean"``
             (accumulated attention / (newest position - p + 1), the key's lifetime).
         score_decay: g in [0, 1]; a block of T queries updates A = g^T A + sum_t g^(t1 - t) mass_t. 1 = the
@@ -62,6 +67,7 @@ class H2OConfig:
     seed: int = 0
     compress_sliding: bool = False
     positions: str = "true"
+    max_distance: Optional[int] = None
     score: str = "sum"
     score_decay: float = 1.0
     prompt_window: Optional[int] = None
@@ -101,6 +107,12 @@ class H2OConfig:
             raise ValueError(f"compress_sliding={self.compress_sliding!r} must be True or False")
         if self.positions not in POSITIONS:
             raise ValueError(f"positions={self.positions!r}; allowed: {', '.join(map(repr, POSITIONS))}")
+        if self.max_distance is not None:
+            if isinstance(self.max_distance, bool) or not isinstance(self.max_distance, int) or self.max_distance < 1:
+                raise ValueError(f"max_distance={self.max_distance!r} must be None or an int >= 1")
+            if self.positions != "capped":
+                raise ValueError(f"max_distance={self.max_distance} caps the distances of positions='capped'; "
+                                 f"positions={self.positions!r} has none")
         if self.score not in SCORES:
             raise ValueError(f"score={self.score!r}; allowed: {', '.join(map(repr, SCORES))}")
         if self.prompt_window is not None and (isinstance(self.prompt_window, bool)
@@ -121,6 +133,22 @@ class H2OConfig:
     def rule(self) -> EvictionRule:
         """The eviction rule the ops compute (kernels/rules.py); its ``spec`` is what the graph carries."""
         return EvictionRule(self.policy, self.score, self.score_decay, self.prompt_pool)
+
+    def position_cap(self, max_positions: Optional[int]) -> int:
+        """D the ops cap distances at: ``max_distance`` or half of ``max_positions`` (the model's) with
+        ``positions="capped"``, 0 (rank numbering or none) otherwise. ValueError when D is not a distance
+        the model knows, or cannot be chosen."""
+        if self.positions != "capped":
+            return 0
+        if self.max_distance is None:
+            if max_positions is None:
+                raise ValueError("positions='capped' needs max_distance: the model's config gives no "
+                                 "max_position_embeddings to take half of")
+            return max(1, max_positions // 2)
+        if max_positions is not None and self.max_distance >= max_positions:
+            raise ValueError(f"max_distance={self.max_distance} is beyond the model's positions: allowed "
+                             f"1..{max_positions - 1} (max_position_embeddings={max_positions})")
+        return self.max_distance
 
     @property
     def quantized(self) -> bool:

@@ -117,20 +117,22 @@ def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Option
                scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
                softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
                rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
-               key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None) -> Tensor:
+               key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None,
+               max_distance: int = 0) -> Tensor:
     """In-place H2O attention over a block of T new tokens. Returns out [B, Hq, T, Dv].
 
     ``window`` (sliding window, 0 = none), ``softcap`` (0 = none) and ``sink_logits`` ([Hq] or None) are the
     layer's attention kind (kernels/reference.py). ``rope_cos``/``rope_sin`` ([B', S, R] rotary tables, or
-    None) switch on rolling positions: q, k and the cache are unrotated and rotated by rank at attention time
-    (kernels/rolling.py). ``policy`` is the eviction rule (kernels/rules.py: a policy name or an
-    ``EvictionRule.spec``); ``query_from`` ([B] int64 or None) is given with the prompt block only.
+    None) switch on rolling positions: q, k and the cache are unrotated and rotated by rank at attention time,
+    or by true distance capped at ``max_distance`` when it is > 0 (kernels/rolling.py). ``policy`` is the
+    eviction rule (kernels/rules.py: a policy name or an ``EvictionRule.spec``); ``query_from`` ([B] int64 or
+    None) is given with the prompt block only.
     ``key_scale``/``value_scale`` ([B, Hkv, C] fp32) come with int8 caches (kernels/quantized.py)."""
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
                  window, softcap, sink_logits, query_from, key_scale, value_scale)
     state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
-    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits, rope=as_tables(rope_cos, rope_sin),
-                query_from=query_from)
+    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits,
+                rope=as_tables(rope_cos, rope_sin, max_distance), query_from=query_from)
     if backend_for(q.device) == "triton":
         from .kernels import triton_ops
 
@@ -143,7 +145,7 @@ def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Option
 @attention_.register_fake
 def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
       policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None, query_from=None,
-      key_scale=None, value_scale=None):
+      key_scale=None, value_scale=None, max_distance=0):
     return q.new_empty(q.shape[:3] + (v.shape[3],))
 
 
@@ -153,7 +155,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optiona
               scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
               softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
               rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
-              key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None
+              key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None, max_distance: int = 0
               ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Functional H2O attention: returns (out, key_cache, value_cache, score_cache, pos_cache, key_scale,
     value_scale), all new; the two scales are empty [0] tensors when the caches are not quantized (an op has
@@ -163,8 +165,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optiona
     state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
     out, new = reference.h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
                                        sinks=sinks, policy=policy, seed=seed, window=window, softcap=softcap,
-                                       sink_logits=sink_logits, rope=as_tables(rope_cos, rope_sin),
-                                       query_from=query_from)
+                                       sink_logits=sink_logits,
+                                       rope=as_tables(rope_cos, rope_sin, max_distance), query_from=query_from)
     fresh = tuple(x.clone() if x is y else x for x, y in zip(new.tensors(), state.tensors()))
     no_scales = () if state.quantized else (score_cache.new_empty(0), score_cache.new_empty(0))
     return (out,) + fresh + no_scales
@@ -173,7 +175,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optiona
 @attention.register_fake
 def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
       policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None,
-      rope_sin=None, query_from=None, key_scale=None, value_scale=None):
+      rope_sin=None, query_from=None, key_scale=None, value_scale=None, max_distance=0):
     out = q.new_empty(q.shape[:3] + (v.shape[3],))
     scales = [score_cache.new_empty(0) if s is None else torch.empty_like(s) for s in (key_scale, value_scale)]
     return (out, torch.empty_like(key_cache), torch.empty_like(value_cache), torch.empty_like(score_cache),
@@ -225,7 +227,7 @@ def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: O
                     softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
                     rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
                     key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None,
-                    native: bool = False) -> Tensor:
+                    max_distance: int = 0, native: bool = False) -> Tensor:
     """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: the opaque attention op, then
     reference.evict_and_write_ as plain torch ops that torch.compile fuses into the step's generated code
     (on CPU one loop nest per layer instead of ~25 small eager kernels). Same signature and result as the op,
@@ -239,7 +241,7 @@ def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: O
     valid, new_pos, newest = reference._block_inputs(k, positions, valid)
     state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
     # Rolling positions: the rotation (a gather and a few elementwise ops) is plain torch ops too.
-    q_seen, k_seen, seen = reference.rolled_inputs(q, k, valid, state, as_tables(rope_cos, rope_sin))
+    q_seen, k_seen, seen = reference.rolled_inputs(q, k, new_pos, state, as_tables(rope_cos, rope_sin, max_distance))
     if state.quantized:
         # int8 entries: the attention in the open too, so the compiler reads the int8 bytes inside its own
         # reduction loops (a BLAS product would need an fp32 copy of every slot chunk first). materialize: the

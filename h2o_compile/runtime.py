@@ -20,7 +20,8 @@ from .passes import (LayerSpec, find_attention_sites, find_rotary, fuse_decode_b
                      move_rotary_into_ops, rewrite_attention, runtime_recent_graph, set_h2o_params, state_names,
                      weight_major_linears)
 from .passes.h2o_attention import copy_graph_module
-from .support import ModelLimits, UnsupportedModelError, check_rolling_fits, check_supported, text_config
+from .support import (ModelLimits, UnsupportedModelError, check_capped_fits, check_rolling_fits, check_supported,
+                      text_config)
 
 
 def _positive_ints(name: str, values) -> list[int]:
@@ -102,7 +103,8 @@ class H2OModel(nn.Module):
         ``reset(B, max_seq_len)``: C = capacity(max_seq_len) slots for a sequence of at most that many tokens.
         ``reset(B, capacity=C)``: a stream with no end: C slots (sliding-window layers: their window, or
         min(C, W) with compress_sliding) whatever the length fed; memory stays at C plus one block. With
-        ``positions="rolling"`` the stream may run forever (distances stay below C + block); with true
+        ``positions="rolling"`` or ``"capped"`` the stream may run forever (distances stay below C + block, or
+        at most max(max_distance, block - 1)); with true
         positions a rotary model warns when the stream passes max_position_embeddings, a model with learned
         positions stops there (ValueError).
         """
@@ -310,7 +312,9 @@ class H2OModel(nn.Module):
         if known is None:
             return
         chunk = t if self.h2o_config.prefill == "full" else min(t, self.h2o_config.prefill)
-        if self.h2o_config.positions == "rolling":  # the last block of this call decides
+        if self.h2o_config.positions == "capped":  # distances stay at most max(D, block - 1)
+            check_capped_fits(self.limits, chunk)
+        elif self.h2o_config.positions == "rolling":  # the last block of this call decides
             check_rolling_fits(self.limits, max(self.layer_capacities), self._fed + t - chunk, chunk)
         elif self._fed + t > known:
             if self.max_seq_len is not None or not self.limits.rotary:
@@ -362,13 +366,16 @@ class H2OModel(nn.Module):
         return self.step(input_ids, attention_mask)
 
 
-def build_graph(model: nn.Module, *, functional: bool = False, positions: str = "true", quantized: bool = False):
+def build_graph(model: nn.Module, *, functional: bool = False, positions: str = "true", quantized: bool = False,
+                max_distance: Optional[int] = None):
     """Capture ``model`` and rewrite its attention; returns (graph, layer specs, limits).
     ``quantized``: int8 kept entries (H2OConfig.kv_dtype), two scale tensors more per layer in the state.
 
-    ``positions="rolling"`` also moves every layer's rotary embedding into its h2o op
-    (passes.move_rotary_into_ops); a model without rotary embeddings raises UnsupportedModelError."""
+    ``positions="rolling"`` or ``"capped"`` also moves every layer's rotary embedding into its h2o op
+    (passes.move_rotary_into_ops; ``max_distance`` as H2OConfig's); a model without rotary embeddings raises
+    UnsupportedModelError."""
     limits = check_supported(model)
+    cap = H2OConfig(positions=positions, max_distance=max_distance).position_cap(limits.max_positions)
     graph = capture(model)
     sites, declines = find_attention_sites(graph.graph)
     name = type(model).__name__
@@ -383,11 +390,11 @@ def build_graph(model: nn.Module, *, functional: bool = False, positions: str = 
     layers = rewrite_attention(graph, sites, functional=functional, windows=limits.windows, quantized=quantized)
     _, not_rotary = find_rotary(graph)
     limits = dataclasses.replace(limits, rotary=not not_rotary)
-    if positions == "rolling":
+    if positions != "true":
         if not_rotary:
-            raise UnsupportedModelError(f"{name}: positions='rolling' needs rotary position embeddings on every "
-                                        "layer, to rotate keys by their rank in the cache; " + "; ".join(not_rotary))
-        move_rotary_into_ops(graph)
+            raise UnsupportedModelError(f"{name}: positions={positions!r} needs rotary position embeddings on every "
+                                        "layer, to rotate keys at attention time; " + "; ".join(not_rotary))
+        move_rotary_into_ops(graph, cap)
     return graph, layers, limits
 
 
@@ -406,7 +413,8 @@ def check_layer_kinds(name: str, sites, limits: ModelLimits) -> None:
 
 def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio: float = 0.5,
              sink_tokens: Optional[int] = None, policy: str = "h2o", prefill: Union[str, int] = "full",
-             seed: int = 0, compress_sliding: bool = False, positions: str = "true", score: str = "sum",
+             seed: int = 0, compress_sliding: bool = False, positions: str = "true",
+             max_distance: Optional[int] = None, score: str = "sum",
              score_decay: float = 1.0, prompt_window: Optional[int] = None, prompt_pool: int = 1,
              kv_dtype: str = "model", compile: Union[str, bool] = "auto",
              regional_compile: bool = False) -> H2OModel:
@@ -414,7 +422,8 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
 
     Args:
         budget: float in (0, 1] (fraction of prompt + new tokens) or int (cache slots).
-        recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding, positions: see :class:`H2OConfig`.
+        recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding, positions, max_distance: see
+            :class:`H2OConfig`.
         score, score_decay, prompt_window, prompt_pool: the score rule of policy ``h2o`` (:class:`H2OConfig`);
             the defaults are the paper's.
         kv_dtype: ``"model"`` or ``"int8"`` (kept keys and values as int8 with one scale per vector, about a
@@ -440,9 +449,10 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
     """
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
                        prefill=prefill, seed=seed, compress_sliding=compress_sliding, positions=positions,
-                       score=score, score_decay=score_decay, prompt_window=prompt_window, prompt_pool=prompt_pool,
-                       kv_dtype=kv_dtype)
+                       max_distance=max_distance, score=score, score_decay=score_decay,
+                       prompt_window=prompt_window, prompt_pool=prompt_pool, kv_dtype=kv_dtype)
     check_compile(compile)
-    graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized)
+    graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized,
+                                        max_distance=config.max_distance)
     check_regional_compile(regional_compile)
     return H2OModel(model, graph, layers, config, limits, compile=compile, regional_compile=regional_compile)

@@ -107,3 +107,11 @@ def check_rolling_fits(limits: ModelLimits, max_slots: int, before: int, block: 
         raise ValueError(f"{context}rolling positions reach {held} held keys + a block of {block} = "
                          f"{held + block}, beyond the model's max_position_embeddings={limits.max_positions}: use "
                          "fewer slots or a smaller block (prefill=c)")
+
+
+def check_capped_fits(limits: ModelLimits, block: int, context: str = "") -> None:
+    """With capped distances (kernels/rolling.py) a block of ``block`` tokens reaches rotary position
+    max(D, block - 1), D already checked by H2OConfig.position_cap: the block itself must fit the model."""
+    if limits.max_positions is not None and block > limits.max_positions:
+        raise ValueError(f"{context}a block of {block} tokens spans distances beyond the model's "
+                         f"max_position_embeddings={limits.max_positions}: use a smaller block (prefill=c)")

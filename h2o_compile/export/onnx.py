@@ -52,7 +52,8 @@ from ..support import check_supported
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "h2o_config.json"
 FORMAT = "h2o_compile.onnx"
-FORMAT_VERSION = 3  # 2: the H2OAttention function takes rotary tables (rolling positions); 3: kv_dtype
+FORMAT_VERSION = 4  # 2: the H2OAttention function takes rotary tables (rolling positions); 3: kv_dtype;
+#                    4: its max_distance attribute (capped distances)
 SUPPORTED_OPSETS = range(18, 24)  # the function body is written with opset 18 ops, unchanged up to 23
 _DTYPES = {torch.float32: "float32", torch.float16: "float16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -70,7 +71,7 @@ def state_output_names(num_layers: int, quantized: bool = False) -> list[str]:
 
 def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent,
                      sinks, policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None,
-                     query_from=None, key_scale=None, value_scale=None):
+                     query_from=None, key_scale=None, value_scale=None, max_distance=0):
     """torch.ops.h2o.attention -> one call of the H2OAttention function (attributes carry the constants).
 
     A layer without learned sinks passes all -inf (no sink for any head): the function's input is always
@@ -95,7 +96,7 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
         q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, sink_logits, rope_cos, rope_sin,
         scale=float(scale), recent=int(recent), sinks=int(sinks), policy=POLICY_CODES[rule.policy], seed=int(seed),
         window=int(window), softcap=float(softcap), rolling=int(rolling), score=SCORES.index(rule.score),
-        decay=float(rule.decay))
+        decay=float(rule.decay), max_distance=int(max_distance))
     if key_scale is None:  # the op's two scale outputs are empty and unused
         none = op.Constant(value_floats=[])
         return out, keys, values, scores, slots, none, none
@@ -103,7 +104,7 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
     return out, keys, values, scores, slots, new_key_scale, new_value_scale
 
 
-_RULE_FIELDS = ("score", "score_decay", "prompt_window", "prompt_pool", "kv_dtype")
+_RULE_FIELDS = ("max_distance", "score", "score_decay", "prompt_window", "prompt_pool", "kv_dtype")
 
 
 def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding=_UNSET,
@@ -134,14 +135,15 @@ def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, s
 
 def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len: int | None = None,
                 batch_size: int | None = None, policy=_UNSET, recent_ratio=_UNSET, sink_tokens=_UNSET,
-                prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, positions=_UNSET, score=_UNSET,
+                prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, positions=_UNSET, max_distance=_UNSET,
+                score=_UNSET,
                 score_decay=_UNSET, prompt_window=_UNSET, prompt_pool=_UNSET, kv_dtype=_UNSET, opset: int = 18,
                 tokenizer=None, op: str = "function") -> Path:
     """Export ``model`` (a transformers causal LM or an :class:`H2OModel`) with its H2O cache to ``out_dir``.
 
     Args:
-        budget, policy, recent_ratio, sink_tokens, prefill, seed, compress_sliding, positions, score,
-            score_decay: as :class:`H2OConfig` (prompt_window and prompt_pool are declined: the exported graph
+        budget, policy, recent_ratio, sink_tokens, prefill, seed, compress_sliding, positions, max_distance,
+            score, score_decay: as :class:`H2OConfig` (prompt_window and prompt_pool are declined: the exported graph
             has no input marking the prompt block), kv_dtype
             (default: the H2OModel's own settings, else H2OConfig's defaults). ``prefill`` is recorded for the
             ORT model.
@@ -163,7 +165,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     from ..runtime import build_graph  # runtime imports export lazily via the package; avoid a cycle
 
     hf_model, config = _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed,
-                                       compress_sliding, positions, score=score, score_decay=score_decay,
+                                       compress_sliding, positions, max_distance=max_distance, score=score,
+                                       score_decay=score_decay,
                                        prompt_window=prompt_window, prompt_pool=prompt_pool, kv_dtype=kv_dtype)
     _check_op(op, config)
     if opset not in SUPPORTED_OPSETS:
@@ -187,7 +190,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     CachePlan.check_lengths(config, limits, max_seq_len, rolling_block=block)
 
     graph, layers, _ = build_graph(hf_model, functional=True, positions=config.positions,
-                                   quantized=config.quantized)
+                                   quantized=config.quantized, max_distance=config.max_distance)
     dtype = layers[0].dtype
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype} is not supported by the ONNX export; use float32 or float16")
@@ -202,6 +205,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         "budget": config.budget, "policy": config.policy, "recent_ratio": config.recent_ratio,
         "sink_tokens": config.sink_tokens, "seed": config.seed, "prefill": config.prefill,
         "compress_sliding": config.compress_sliding, "positions": config.positions,
+        "max_distance": config.position_cap(limits.max_positions) or None,
         "score": config.score, "score_decay": config.score_decay, "kv_dtype": config.kv_dtype,
         "capacity": capacity, "recent": recent, "max_seq_len": max_seq_len, "batch_size": batch_size,
         "opset": opset, "op": op, "dtype": _DTYPES[dtype], "vocab_size": int(hf_model.config.vocab_size),

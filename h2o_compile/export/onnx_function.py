@@ -7,7 +7,7 @@ exported graph still shows one readable node per layer.
 Signature (shapes as in kernels/reference.py; C = cache slots, S = C + T):
 
     H2OAttention<scale: float, recent: int, sinks: int, policy: int, seed: int, window: int, softcap: float,
-                 rolling: int, score: int, decay: float>(
+                 rolling: int, score: int, decay: float, max_distance: int>(
         q [B, Hq, T, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], positions [B, T] int64, valid [B, T] bool,
         key_cache [B, Hkv, C, D], value_cache [B, Hkv, C, Dv], score_cache [B, Hkv, C] f32,
         pos_cache [B, Hkv, C] int64, sink_logits [Hq] float, rope_cos [B', S', R], rope_sin [B', S', R])
@@ -35,7 +35,9 @@ Rolling positions (``rolling`` = 1; kernels/rolling.py): q, k and the cache are 
 ``rope_sin`` are the model's rotary tables at positions 0..S'-1 (S' >= C + T). The ranks come from one TopK
 over the cached positions (exact in fp32 up to 2^24 positions) scattered back to the slots; q, the cached keys
 and the block's keys are rotated together, in fp32 (the reference rotates in the tables' dtype, the same for
-an fp32 model). With ``rolling`` = 0 the tables are a [1, 1, 2] placeholder and the If folds away.
+an fp32 model). With ``max_distance`` D > 0 the keys are numbered by their true distance to the block's newest
+valid token capped at max(D, T - 1) instead (S' >= that + 1). With ``rolling`` = 0 the tables are a [1, 1, 2]
+placeholder and the If folds away.
 
 Precondition (kept by every state this function and reference.empty_state produce): an empty slot
 (position -1) holds zero key, value and score.
@@ -85,7 +87,7 @@ H2O_OPSET = Opset(DOMAIN, 1)
 @script(H2O_OPSET, default_opset=op)
 def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, sink_logits, rope_cos,
                  rope_sin, scale: float, recent: int, sinks: int, policy: int, seed: int, window: int, softcap: float,
-                 rolling: int, score: int, decay: float):
+                 rolling: int, score: int, decay: float, max_distance: int = 0):
     # ---- shapes (1-D int64 tensors of one element) -----------------------------------------------------
     b = op.Shape(q, start=0, end=1)
     hkv = op.Shape(k, start=1, end=2)
@@ -119,13 +121,21 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     if op.Greater(op.Constant(value_int=rolling), zero_i):  # folded away by ORT: rolling is a constant
         # Rolling positions (kernels/rolling.py): held entries numbered by position, the block's valid
         # tokens after them; q, cached keys and block keys are rotated together, in one [B, Hkv, N, D].
-        held = op.GreaterOrEqual(pos_cache, zero_i)
-        empty = op.ReduceSum(op.Cast(op.Not(held), to=INT64.dtype), [2], keepdims=1)  # [B, Hkv, 1]
-        _, order = op.TopK(op.Cast(pos_cache, to=FLOAT.dtype), cap, axis=-1, largest=0, sorted=1)
-        ramp = op.Expand(op.Sub(op.Range(zero_i, op.Squeeze(cap, [0]), one_i), empty), op.Shape(pos_cache))
-        cache_rank = op.Max(op.ScatterElements(op.Mul(ramp, zero_i), order, ramp, axis=2), zero_i)  # [B,Hkv,C]
-        valid_rank = op.Max(op.Sub(op.CumSum(op.Cast(valid, to=INT64.dtype), one_i), one_i), zero_i)  # [B, T]
-        block_rank = op.Add(op.Sub(cap, empty), op.Unsqueeze(valid_rank, [1]))             # [B, Hkv, T]
+        capped = op.Constant(value_int=max_distance)
+        if op.Greater(capped, zero_i):  # folded away by ORT: max_distance is a constant
+            # Capped distances: clamp(p - (newest - D'), 0, D') with D' = max(D, T - 1).
+            limit = op.Max(capped, op.Sub(op.Squeeze(t, [0]), one_i))
+            base = op.Sub(newest, limit)                                                # [B, 1, 1]
+            cache_rank = op.Min(op.Max(op.Sub(pos_cache, base), zero_i), limit)          # [B, Hkv, C]
+            block_rank = op.Min(op.Max(op.Sub(new_pos_h, base), zero_i), limit)          # [B, Hkv, T]
+        else:
+            held = op.GreaterOrEqual(pos_cache, zero_i)
+            empty = op.ReduceSum(op.Cast(op.Not(held), to=INT64.dtype), [2], keepdims=1)  # [B, Hkv, 1]
+            _, order = op.TopK(op.Cast(pos_cache, to=FLOAT.dtype), cap, axis=-1, largest=0, sorted=1)
+            ramp = op.Expand(op.Sub(op.Range(zero_i, op.Squeeze(cap, [0]), one_i), empty), op.Shape(pos_cache))
+            cache_rank = op.Max(op.ScatterElements(op.Mul(ramp, zero_i), order, ramp, axis=2), zero_i)
+            valid_rank = op.Max(op.Sub(op.CumSum(op.Cast(valid, to=INT64.dtype), one_i), one_i), zero_i)
+            block_rank = op.Add(op.Sub(cap, empty), op.Unsqueeze(valid_rank, [1]))         # [B, Hkv, T]
         group = op.Div(op.Shape(q, start=1, end=2), hkv)
         rank = op.Concat(op.Tile(block_rank, op.Concat([1], [1], group, axis=0)), cache_rank, block_rank, axis=2)
         x = op.Concat(qg, keys_f, block_f, axis=2)                                     # [B, Hkv, G*T+C+T, D]
@@ -311,7 +321,8 @@ _INPUTS = (("q", "T"), ("k", "T"), ("v", "T"), ("positions", "tensor(int64)"), (
 _OUTPUTS = (("out", "T"), ("new_key_cache", "TC"), ("new_value_cache", "TC"),
             ("new_score_cache", "tensor(float)"), ("new_pos_cache", "tensor(int64)"))
 _ATTRIBUTES = (("scale", "FLOAT"), ("recent", "INT"), ("sinks", "INT"), ("policy", "INT"), ("seed", "INT"),
-               ("window", "INT"), ("softcap", "FLOAT"), ("rolling", "INT"), ("score", "INT"), ("decay", "FLOAT"))
+               ("window", "INT"), ("softcap", "FLOAT"), ("rolling", "INT"), ("score", "INT"), ("decay", "FLOAT"),
+               ("max_distance", "INT"))
 
 
 def _schema() -> onnx.defs.OpSchema:

@@ -28,7 +28,7 @@ Per-layer attention kinds (DESIGN.md section 2), constants of a layer, each off 
                      denominator; its share of the probability is dropped, so no key's score gets it.
 
 Rolling positions (``rope`` tables given, kernels/rolling.py): q, k and the cache are unrotated; the attention
-rotates them by rank in the cache, everything else (scores, eviction, windows) is unchanged.
+rotates them by rank in the cache (or by capped distance), everything else (scores, eviction, windows) is unchanged.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
     rule = parse_rule(policy)
     valid, new_pos, newest = _block_inputs(k, positions, valid)
     seen = readable(state, k.dtype)
-    q_seen, k_seen, state_seen = rolled_inputs(q, k, valid, seen, rope)
+    q_seen, k_seen, state_seen = rolled_inputs(q, k, new_pos, seen, rope)
     keys_seen = torch.cat([state_seen.key_cache, k_seen.to(seen.key_cache.dtype)], dim=2)  # [B, Hkv, C+T, D]
     values_seen = torch.cat([seen.value_cache, v.to(seen.value_cache.dtype)], dim=2)
     all_pos = torch.cat([state.pos_cache, new_pos], dim=2)                                 # [B, Hkv, C+T]
@@ -350,15 +350,15 @@ def _cache_values(probs: Tensor, value_cache: Tensor, value_scale: Optional[Tens
     return out
 
 
-def rolled_inputs(q: Tensor, k: Tensor, valid: Tensor, state: H2OState,
+def rolled_inputs(q: Tensor, k: Tensor, new_pos: Tensor, state: H2OState,
                   rope: Optional[RopeTables]) -> tuple[Tensor, Tensor, H2OState]:
     """(q, k, state) as the attention of a block reads them. With rolling positions (``rope`` given): q, k and
     a copy of the cached keys rotated at their rolling positions (dequantized first when quantized); the cache
-    itself keeps unrotated keys."""
+    itself keeps unrotated keys. new_pos: [B, Hkv, T] int64 true positions of the block, -1 = padding."""
     if rope is None:
         return q, k, state
     keys = state.key_cache if state.key_scale is None else dequantize(state.key_cache, state.key_scale, q.dtype)
-    q_rot, k_rot, cache_rot = rotate_block(q, k, keys, state.pos_cache, valid, rope)
+    q_rot, k_rot, cache_rot = rotate_block(q, k, keys, state.pos_cache, new_pos, rope)
     return q_rot, k_rot, make_state(cache_rot, state.value_cache, state.score_cache, state.pos_cache, None,
                                     state.value_scale)
 
@@ -377,7 +377,7 @@ def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optio
     Args: as :func:`h2o_attention` with T = 1. Returns out [B, Hq, 1, Dv]; ``state`` is updated in place.
     """
     valid, new_pos, newest = _block_inputs(k, positions, valid)                 # new_pos [B, Hkv, 1]
-    q_seen, k_seen, state_seen = rolled_inputs(q, k, valid, state, rope)
+    q_seen, k_seen, state_seen = rolled_inputs(q, k, new_pos, state, rope)
     out, mass_cache, mass_new = attend_decode_step(q_seen, k_seen, v, valid, state_seen, scale, new_pos,
                                                    window=window, softcap=softcap, sink_logits=sink_logits)
     evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent, sinks=sinks,

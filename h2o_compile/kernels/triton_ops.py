@@ -85,8 +85,8 @@ def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Op
                                                  attend_fn=_triton_attend_block)
         reference.copy_state_(state, new_state)
         return out
-    q_seen, k_seen, seen = reference.rolled_inputs(q, k, valid, state, rope)
     _, new_pos, newest = reference._block_inputs(k, positions, valid)
+    q_seen, k_seen, seen = reference.rolled_inputs(q, k, new_pos, state, rope)
     out, mass_cache, mass_new = torch.ops.h2o.triton_decode_attend(
         q_seen, k_seen, v, positions, valid, seen.key_cache, seen.value_cache, seen.pos_cache, scale, split_size,
         window, softcap, sink_logits, seen.key_scale, seen.value_scale)

@@ -5,9 +5,10 @@ R dims of x (R < D: partial rotary, GPT-NeoX / Phi style), cos and sin [B, 1, T,
 rotary embedding from ``position_ids``; or its chunked form ``cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin])``
 with half-width tables (GPT-OSS), the same rotation.
 After:  ``h2o.attention_(q, k, ..., rope_cos, rope_sin)``: the op caches unrotated keys and rotates q and k at
-attention time by their rank in the cache (kernels/rolling.py). The tables are the model's own rotary
-subgraph, copied once, evaluated at positions 0..S-1 with S = (largest cache of any layer) + T, so the
-model's base, scaling and per-layer bases (Gemma 3's local and global) carry over unchanged.
+attention time by their rank in the cache, or by capped distance (kernels/rolling.py). The tables are the
+model's own rotary subgraph, copied once, evaluated at positions 0..S-1 with S = (largest cache of any layer) + T
+by rank, S = max(D + 1, T) with distances capped at D, so the model's base, scaling and per-layer bases
+(Gemma 3's local and global) carry over unchanged.
 
 A model without that pattern (learned absolute positions, ALiBi, interleaved rotary) cannot move its
 positions: :func:`find_rotary` names the layer and what it found instead.
@@ -164,8 +165,9 @@ def _h2o_ops(gm: GraphModule) -> list[Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_INPLACE, _FUNCTIONAL)]
 
 
-def move_rotary_into_ops(gm: GraphModule) -> int:
+def move_rotary_into_ops(gm: GraphModule, max_distance: int = 0) -> int:
     """Rewrite every h2o op to take unrotated q, k and the rotary tables; returns the number of ops rewritten.
+    ``max_distance`` 0 numbers keys by rank, D > 0 by true distance capped at D (kernels/rolling.py).
 
     Raises ValueError naming the layers whose positions cannot move (see :func:`find_rotary`)."""
     graph = gm.graph
@@ -181,7 +183,7 @@ def move_rotary_into_ops(gm: GraphModule) -> int:
     with graph.inserting_before(ops[0]):
         # One copy of the rotary subgraph for the whole model: HF multiplies a per-layer unsqueeze of one
         # cos/sin per rotary embedding, and the copy shares everything up to those unsqueezes.
-        env = _copy_from(graph, wanted, position_ids, _table_positions(graph, position_ids, ops))
+        env = _copy_from(graph, wanted, position_ids, _table_positions(graph, position_ids, ops, max_distance))
         half_tables = {}
         for op, (q, k) in zip(ops, pairs):
             tables = [env[q.cos], env[q.sin]]
@@ -190,19 +192,26 @@ def move_rotary_into_ops(gm: GraphModule) -> int:
                     half_tables[q.cos, q.sin] = [graph.call_function(aten.cat.default, ([t, t], -1)) for t in tables]
                 tables = half_tables[q.cos, q.sin]
             op.args = (q.source, k.source, *op.args[2:], *tables)
+            if max_distance:
+                op.kwargs = {**op.kwargs, "max_distance": max_distance}
     graph.eliminate_dead_code(is_impure_node=lambda n: n.op in ("placeholder", "output") or n.target is _INPLACE)
     graph.lint()
     gm.recompile()
     return len(ops)
 
 
-def _table_positions(graph: torch.fx.Graph, position_ids: Node, users: list[Node]) -> Node:
-    """``arange(S)`` expanded to [B, S]: S = the largest cache among ``users`` (every layer) + the block's T."""
-    size = graph.call_function(aten.sym_size.int, (users[0].args[_POS_CACHE], 2))
-    for op in users[1:]:
-        size = graph.call_function(torch.sym_max, (size, graph.call_function(aten.sym_size.int,
-                                                                              (op.args[_POS_CACHE], 2))))
-    total = graph.call_function(operator.add, (size, graph.call_function(aten.sym_size.int, (position_ids, 1))))
+def _table_positions(graph: torch.fx.Graph, position_ids: Node, users: list[Node], max_distance: int) -> Node:
+    """``arange(S)`` expanded to [B, S]: S = the largest cache among ``users`` (every layer) + the block's T, or
+    max(D + 1, T) with distances capped at D > 0."""
+    block = graph.call_function(aten.sym_size.int, (position_ids, 1))
+    if max_distance:
+        total = graph.call_function(torch.sym_max, (max_distance + 1, block))
+    else:
+        size = graph.call_function(aten.sym_size.int, (users[0].args[_POS_CACHE], 2))
+        for op in users[1:]:
+            size = graph.call_function(torch.sym_max, (size, graph.call_function(aten.sym_size.int,
+                                                                                  (op.args[_POS_CACHE], 2))))
+        total = graph.call_function(operator.add, (size, block))
     batch = graph.call_function(aten.sym_size.int, (position_ids, 0))
     device = _val(position_ids).device
     ramp = graph.call_function(aten.arange.default, (total,), {"dtype": torch.int64, "device": device})

@@ -69,6 +69,11 @@ def cmd_stream(args) -> int:
     for rule in args.rules:
         stream_rule_options(rule)  # a bad rule fails before the model loads
     H2OConfig(recent_ratio=args.recent_ratio)  # H2OConfig's own check, before the model loads
+    if args.max_distance is not None:
+        if "capped" not in args.positions:
+            raise ValueError(f"--max-distance {args.max_distance} caps --positions capped, which is not among "
+                             f"{','.join(args.positions)}")
+        H2OConfig(positions="capped", max_distance=args.max_distance)
     model, tokenizer = load_local(args.model)
     texts = []
     for path in args.text:
@@ -88,7 +93,8 @@ def cmd_stream(args) -> int:
 
     runs = stream_runs(model, ids, capacity=args.budget_slots, chunk=args.chunk, policies=args.policy,
                        positions=args.positions, sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
-                       rules=args.rules, recent_ratio=args.recent_ratio, on_run=write)
+                       rules=args.rules, recent_ratio=args.recent_ratio, on_run=write,
+                       max_distance=args.max_distance)
     paths = write(runs)
     print_report(paths)
     return 0
@@ -237,7 +243,11 @@ def add_quality_parsers(sub) -> None:
     st.add_argument("--budget-slots", type=int, required=True, help="cache slots C per layer and KV head")
     st.add_argument("--chunk", type=int, default=64, help="tokens per step (memory: C + chunk)")
     st.add_argument("--policy", type=csv_of(str), default=["h2o", "sink"], help="comma-separated (h2o,sink)")
-    st.add_argument("--positions", type=csv_of(str), default=["rolling"], help="rolling and/or true")
+    st.add_argument("--positions", type=csv_of(str), default=["rolling"],
+                    help="comma-separated from rolling (rank in the cache), capped (true distance up to "
+                         "--max-distance), true")
+    st.add_argument("--max-distance", type=int, default=None,
+                    help="the cap of --positions capped (default: half the model's max_position_embeddings)")
     st.add_argument("--sink-tokens", type=int, default=None, help="default: 0 for h2o, 4 for sink")
     st.add_argument("--window-tokens", type=int, default=4096, help="scored tokens per reported window")
     st.add_argument("--rules", type=csv_of(str), default=["sum"],

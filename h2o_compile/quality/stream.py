@@ -59,12 +59,14 @@ class StreamRun:
     # those layers and KV heads, counted per bin [edges[i], edges[i+1]); whether old keys hold the cache.
     age_edges: list[int] = field(default_factory=list)
     age_counts: list[int] = field(default_factory=list)
+    max_distance: int = 0      # the cap of positions="capped" (resolved: the model's default included)
 
     @property
     def label(self) -> str:
         rule = f" [{self.rule}]" if self.policy == "h2o" and self.rule != "sum" else ""
         recent = f" recent {self.recent_ratio:g}" if self.recent_ratio != 0.5 else ""
-        return f"{self.policy}{rule}{recent} ({self.positions} positions)"
+        scheme = f"distances capped at {self.max_distance:,}" if self.max_distance else f"{self.positions} positions"
+        return f"{self.policy}{rule}{recent} ({scheme})"
 
     def summary(self) -> dict:
         """The figures the targets speak of: last window vs the first full one (the first window that starts
@@ -124,14 +126,15 @@ def _check(tokens: int, capacity: int, chunk: int, window_tokens: int, policy: s
 def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: int = 64, policy: str = "h2o",
                       positions: str = "rolling", sink_tokens: Optional[int] = None, window_tokens: int = 4096,
                       rule: str = "sum", recent_ratio: float = 0.5, progress: bool = True,
-                      desc: Optional[str] = None) -> StreamRun:
+                      desc: Optional[str] = None, max_distance: Optional[int] = None) -> StreamRun:
     """Feed ``token_ids`` [N] as one stream through ``capacity`` slots; perplexity per window of the stream.
 
     Args:
         model: a transformers causal LM (optimize() is applied here, eager).
         capacity: C slots per layer and KV head (sliding-window layers: their window, as H2OConfig says).
         chunk: tokens per step (memory stays at C + chunk).
-        policy, positions, sink_tokens, recent_ratio: as H2OConfig (sink_tokens None = the policy's default).
+        policy, positions, sink_tokens, recent_ratio, max_distance: as H2OConfig (sink_tokens None = the
+            policy's default; max_distance only with positions "capped", None = the model's default).
         window_tokens: scored tokens per reported window.
         rule: the score rule of policy h2o, by the names of ``tasks --rules`` ("sum", "mean", "tova",
             "decay=0.99", ...); ignored by the other policies. A prompt window or pooling has no prompt to act
@@ -143,12 +146,13 @@ def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: i
     _check(tokens, capacity, chunk, window_tokens, policy, positions)
     options = stream_rule_options(rule) if policy == "h2o" else {}
     opt = optimize(model, budget=capacity, policy=policy, positions=positions, prefill=chunk,
-                   sink_tokens=sink_tokens, recent_ratio=recent_ratio, compile=False, **options)
+                   sink_tokens=sink_tokens, recent_ratio=recent_ratio, compile=False,
+                   max_distance=max_distance if positions == "capped" else None, **options)
     opt.reset(1, capacity=capacity)
     ids = token_ids.reshape(1, -1).long()
     run = StreamRun(policy, positions, capacity, chunk, opt.h2o_config.sink_tokens, tokens, opt.kv_cache_bytes(),
                     float("nan"), rule=rule if policy == "h2o" else "-",
-                    recent_ratio=recent_ratio)
+                    recent_ratio=recent_ratio, max_distance=opt.h2o_config.position_cap(opt.limits.max_positions))
     total_nll, window_nll, window_count, window_start = 0.0, 0.0, 0, 1
     start_time = window_time = time.perf_counter()
     bar = tqdm(total=tokens, unit="tok", desc=desc or f"{policy}/{positions}", disable=not progress,
@@ -203,8 +207,9 @@ def stream_rule_options(rule: str) -> dict:
 def stream_runs(model, token_ids: torch.Tensor, *, capacity: int, chunk: int, policies: Sequence[str],
                 positions: Sequence[str], sink_tokens: Optional[int] = None, window_tokens: int = 4096,
                 rules: Sequence[str] = ("sum",), recent_ratio: float = 0.5, progress: bool = True,
-                on_run=None) -> list[StreamRun]:
-    """Every (policy [x rule for h2o], positions) over the same stream; ``on_run(runs so far)`` after each."""
+                on_run=None, max_distance: Optional[int] = None) -> list[StreamRun]:
+    """Every (policy [x rule for h2o], positions) over the same stream; ``on_run(runs so far)`` after each.
+    ``max_distance`` applies to the "capped" scheme."""
     for rule in rules:
         stream_rule_options(rule)  # every rule checked before the first long run
     runs = []
@@ -214,7 +219,7 @@ def stream_runs(model, token_ids: torch.Tensor, *, capacity: int, chunk: int, po
                 runs.append(stream_perplexity(model, token_ids, capacity=capacity, chunk=chunk, policy=policy,
                                               positions=scheme, sink_tokens=sink_tokens,
                                               window_tokens=window_tokens, rule=rule, recent_ratio=recent_ratio,
-                                              progress=progress))
+                                              progress=progress, max_distance=max_distance))
                 if on_run is not None:
                     on_run(runs)
     return runs

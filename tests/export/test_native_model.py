@@ -28,6 +28,8 @@ CASES = {  # name -> (architecture, export op, settings)
     "gemma2_compressed": ("gemma2", "native", {"budget": 8, "policy": "h2o", "compress_sliding": True}),
     "llama_rolling_mean": ("llama", "native", {"budget": 6, "sink_tokens": 1, "score": "mean",
                                                "positions": "rolling"}),
+    "gemma3_capped_chunked": ("gemma3", "native", {"budget": 8, "policy": "h2o", "compress_sliding": True,
+                                                   "positions": "capped", "max_distance": 12, "prefill": 4}),
     # int8 entries: the node sees dequantized caches, so the state is not updated in place.
     "llama_int8": ("llama", "native", {"budget": 6, "sink_tokens": 1, "kv_dtype": "int8"}),
 }

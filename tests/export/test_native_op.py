@@ -57,8 +57,9 @@ class NativeAndFunction:
 
 
 def both(lib, policy, *, recent=2, sinks=0, seed=5, window=0, softcap=0.0, rolling=0, **kw):
+    rope = kw.get("rope")
     model = one_node_model(scale=0.3, recent=recent, sinks=sinks, policy=policy, seed=seed, window=window,
-                           softcap=softcap, rolling=rolling)
+                           softcap=softcap, rolling=rolling, max_distance=0 if rope is None else rope.max_distance)
     pair = NativeAndFunction(model, lib)
     result = run_sequence(policy, recent=recent, sinks=sinks, seed=seed, window=window, softcap=softcap,
                           session=pair, **kw)
@@ -136,16 +137,17 @@ def test_ties_random_hash_and_no_eviction(lib):
     assert both(lib, "h2o", blocks=[2, 1, 1], cap=8)[0] == 0
 
 
+@pytest.mark.parametrize("max_distance", [0, 5], ids=["rank", "capped"])
 @pytest.mark.parametrize("window", [0, 4])
 @pytest.mark.parametrize("rotary", [8, 4], ids=["full-rotary", "partial-rotary"])
 @pytest.mark.parametrize("policy", ["h2o", "sink"])
-def test_rolling_positions(lib, policy, rotary, window):
+def test_rolling_positions(lib, policy, rotary, window, max_distance):
     from h2o_compile.kernels.rolling import RopeTables
 
     inv_freq = 1.0 / (30.0 ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary))
     angles = torch.arange(6 + max(BLOCKS) + 2, dtype=torch.float64)[:, None] * inv_freq[None, :]
     both_halves = torch.cat([angles, angles], dim=-1)[None]
-    rope = RopeTables(both_halves.cos().float(), both_halves.sin().float())
+    rope = RopeTables(both_halves.cos().float(), both_halves.sin().float(), max_distance)
     assert both(lib, policy, blocks=BLOCKS, sinks=2 if policy == "sink" else 0, window=window, rolling=1,
                 rope=rope)[0] > 0
 

@@ -43,6 +43,9 @@ CASES = {
                                                      "positions": "rolling"}),
     "gemma3_rolling_compressed": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                              "positions": "rolling", "prefill": 4}),
+    # Capped distances (12, over 64 tokens): the tables cover 13 rows, the function numbers by distance.
+    "gemma3_capped_compressed": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
+                                            "positions": "capped", "max_distance": 12, "prefill": 4}),
     # Quantized entries: the function runs on dequantized caches, the state between steps is int8 + scales.
     "gemma3_int8_rolling_chunked": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                                "positions": "rolling", "prefill": 4, "kv_dtype": "int8"}),
@@ -236,6 +239,13 @@ def test_rolling_positions_beyond_the_models_positions_raise(tmp_path):
                                          "keys \\+ a block of 200 = 200, beyond the model's "
                                          "max_position_embeddings=128"):
         export_onnx(build("llama"), tmp_path / "never", max_seq_len=200, budget=16, positions="rolling")
+    assert not (tmp_path / "never").exists()
+
+
+def test_capped_positions_refuse_a_block_longer_than_the_models_positions(tmp_path):
+    with pytest.raises(ValueError, match="max_seq_len=200 with prefill='full': a block of 200 tokens spans "
+                                         "distances beyond the model's max_position_embeddings=128"):
+        export_onnx(build("llama"), tmp_path / "never", max_seq_len=200, budget=16, positions="capped")
     assert not (tmp_path / "never").exists()
 
 

@@ -32,13 +32,14 @@ OUT_RANKS = [4, 4, 4, 3, 3]
 
 
 def one_node_model(*, scale, recent, sinks, policy, seed, window=0, softcap=0.0, sink_initializer=None,
-                   rolling=0):
+                   rolling=0, max_distance=0):
     """The function as the only node; ``policy`` is an eviction rule spec (kernels/rules.py). ``sink_initializer``
     [Hq] makes the sink logits a constant of the model (as in an export) instead of an input."""
     rule = reference.parse_rule(policy)
     node = helper.make_node(FUNCTION_NAME, NAMES, OUTS, domain=DOMAIN, scale=scale, recent=recent,
                             sinks=sinks, policy=reference.POLICY_CODES[rule.policy], seed=seed, window=window,
-                            softcap=softcap, rolling=rolling, score=SCORES.index(rule.score), decay=rule.decay)
+                            softcap=softcap, rolling=rolling, score=SCORES.index(rule.score), decay=rule.decay,
+                            max_distance=max_distance)
 
     def infos(names, types, ranks):
         return [helper.make_tensor_value_info(n, ty, [f"{n}_{i}" for i in range(r)])
@@ -67,7 +68,8 @@ def run_sequence(policy, *, blocks, cap=6, recent=2, sinks=0, seed=5, b=2, hq=4,
     Returns (entries evicted, of which out of the window)."""
     if session is None:
         model = one_node_model(scale=0.3, recent=recent, sinks=sinks, policy=policy, seed=seed, window=window,
-                               softcap=softcap, rolling=int(rope is not None))
+                               softcap=softcap, rolling=int(rope is not None),
+                               max_distance=0 if rope is None else rope.max_distance)
         session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     gen = torch.Generator().manual_seed(torch_seed)
     state = reference.empty_state(b, hkv, cap, d)
@@ -98,7 +100,7 @@ def run_sequence(policy, *, blocks, cap=6, recent=2, sinks=0, seed=5, b=2, hq=4,
                                              softcap=softcap, sink_logits=sink_logits, rope=rope)
         evictions += int(before + valid.sum() * hkv - (state.pos_cache >= 0).sum())
         feeds = [q, k, v, positions, valid]
-        tables = [NO_ROPE, NO_ROPE] if rope is None else [t.numpy() for t in rope]
+        tables = [NO_ROPE, NO_ROPE] if rope is None else [rope.cos.numpy(), rope.sin.numpy()]
         feed = dict(zip(NAMES, [x.numpy() for x in feeds] + onnx_state + [onnx_sinks] + tables))
         got = session.run(None, {i.name: feed[i.name] for i in session.get_inputs()})
         onnx_state = got[1:]
@@ -260,20 +262,24 @@ def test_function_is_standard_ops_only():
     assert {n.domain for n in proto.node} == {""}
     assert list(proto.attribute) == ["scale", "recent", "sinks", "policy", "seed", "window", "softcap", "rolling",
                                      "score", "decay"]
+    # Added with format 4, with a default: a node written without it numbers rolling positions by rank.
+    assert [(a.name, a.i) for a in proto.attribute_proto] == [("max_distance", 0)]
     assert list(proto.input) == NAMES
 
 
+@pytest.mark.parametrize("max_distance", [0, 5], ids=["rank", "capped"])
 @pytest.mark.parametrize("window", [0, 4])
 @pytest.mark.parametrize("rotary", [8, 4], ids=["full-rotary", "partial-rotary"])
 @pytest.mark.parametrize("policy", ["h2o", "sink"])
-def test_rolling_positions_equal_reference(policy, rotary, window):
-    """q, k and the cache unrotated, rotated by rank in the function; tables longer than C + T (as the graph
-    gives them) and, for partial rotary, narrower than the head."""
+def test_rolling_positions_equal_reference(policy, rotary, window, max_distance):
+    """q, k and the cache unrotated, rotated by rank (or capped distance: 5, below the 7-token block's 6, over
+    30 positions) in the function; tables longer than needed (as the graph gives them) and, for partial
+    rotary, narrower than the head."""
     from h2o_compile.kernels.rolling import RopeTables
 
     inv_freq = 1.0 / (30.0 ** (torch.arange(0, rotary, 2, dtype=torch.float64) / rotary))
     angles = torch.arange(6 + max(BLOCKS) + 2, dtype=torch.float64)[:, None] * inv_freq[None, :]
     both = torch.cat([angles, angles], dim=-1)[None]
-    rope = RopeTables(both.cos().float(), both.sin().float())
+    rope = RopeTables(both.cos().float(), both.sin().float(), max_distance)
     evictions, _ = run_sequence(policy, blocks=BLOCKS, sinks=2 if policy == "sink" else 0, window=window, rope=rope)
     assert evictions > 0

@@ -9,7 +9,9 @@ the window is dropped before any eviction choice), ``softcap`` (logits = cap * t
 
 Rolling positions (``inv_freq`` given, [R / 2] float64): keys and queries arrive unrotated; at each block the
 kept positions are numbered 0..n-1 in increasing order and the block's tokens n, n+1, ...; both are rotated
-with these numbers (angle = number x inv_freq[i], pairing dims i and i + R/2, dims >= R untouched).
+with these numbers (angle = number x inv_freq[i], pairing dims i and i + R/2, dims >= R untouched). With
+``max_distance`` D > 0 (capped distances) the block's newest token L sits at D' = max(D, T - 1) and every other
+key or query p at D' - min(L - p, D'): its true distance to L, capped at D'.
 
 Score rules (DESIGN.md section 2, "Score rules"), simulated query by query rather than in closed form: before
 each valid query adds its probabilities, every score is multiplied by ``decay``; a query whose position is not
@@ -49,11 +51,11 @@ class SimulatedCache:
     """Kept positions S and their scores A for one (row, KV head); keys/values of every token ever seen."""
 
     def __init__(self, capacity, recent, sinks, policy, seed=0, window=None, softcap=None, sink_logits=None,
-                 inv_freq=None, score="sum", decay=1.0, pool=1, quantized=False):
+                 inv_freq=None, score="sum", decay=1.0, pool=1, quantized=False, max_distance=0):
         self.capacity, self.recent, self.sinks, self.policy, self.seed = capacity, recent, sinks, policy, seed
         self.score_rule, self.decay, self.pool = score, decay, pool
         self.window, self.softcap, self.sink_logits = window, softcap, sink_logits
-        self.inv_freq = inv_freq
+        self.inv_freq, self.max_distance = inv_freq, max_distance
         self.quantized = quantized
         self.kept: set[int] = set()
         self.score: dict[int, float] = {}
@@ -61,12 +63,18 @@ class SimulatedCache:
         self.values: dict[int, torch.Tensor] = {}
         self.stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (key, value) as the cache holds them
 
-    def block(self, positions, q, k, v, scale, counted=None, prompt=False):
+    def block(self, positions, q, k, v, scale, counted=None, prompt=False, block_len=None):
         """positions: list of valid new positions (ascending); q: [G, T, D]; k, v: [T, D] (float64).
         counted: the query positions that add to the scores (None = all); prompt: pool after this block.
+        block_len: T of the op's block, padding included (default: the valid positions).
         Returns the outputs [G, T, Dv] for those positions."""
-        number = {p: i for i, p in enumerate(sorted(self.kept))}
-        number.update({p: len(self.kept) + j for j, p in enumerate(positions)})
+        if self.max_distance:
+            far = max(self.max_distance, (block_len or len(positions)) - 1)
+            newest = max(positions)
+            number = {p: far - min(newest - p, far) for p in self.kept | set(positions)}
+        else:
+            number = {p: i for i, p in enumerate(sorted(self.kept))}
+            number.update({p: len(self.kept) + j for j, p in enumerate(positions)})
         for j, p in enumerate(positions):
             self.keys[p], self.values[p] = k[j], v[j]
             quantize = int8_roundtrip if self.quantized else (lambda x: x)

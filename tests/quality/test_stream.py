@@ -145,3 +145,19 @@ def test_stream_cli_runs_each_rule_and_reports_ages(tmp_path):
     assert all(sum(r["age_counts"]) == slots for r in report["runs"])
     text_md = (out / "stream.md").read_text()
     assert "| h2o [decay=0.9] recent 0.25 (rolling positions) |" in text_md and "median age" in text_md
+
+
+def test_stream_cli_runs_capped_distances_next_to_rank_numbering(tmp_path, capsys):
+    text = tmp_path / "words.txt"
+    text.write_text(" ".join(f"word{(i * 7) % 50}" for i in range(3000)))
+    out = tmp_path / "stream"
+    assert main(["stream", "--model", "tiny", "--text", str(text), "--tokens", "600", "--budget-slots", "48",
+                 "--chunk", "32", "--policy", "h2o", "--positions", "rolling,capped", "--max-distance", "100",
+                 "--window-tokens", "300", "--out", str(out)]) == 0
+    runs = json.loads((out / "stream.json").read_text())["runs"]
+    assert [(r["positions"], r["max_distance"]) for r in runs] == [("rolling", 0), ("capped", 100)]
+    assert runs[0]["perplexity"] != runs[1]["perplexity"]  # 600 tokens through 48 slots: the numberings differ
+    assert "| h2o (distances capped at 100) |" in (out / "stream.md").read_text()
+    assert main(["stream", "--model", "tiny", "--text", str(text), "--tokens", "100", "--budget-slots", "48",
+                 "--max-distance", "100", "--out", str(tmp_path / "never")]) == 2
+    assert "--max-distance 100 caps --positions capped, which is not among rolling" in capsys.readouterr().err

@@ -76,7 +76,8 @@ transformers.AttentionInterface.register("h2o_sim", _h2o_sim_attention)
 
 @torch.no_grad()
 def simulate_logits(model, input_ids, blocks, *, capacity, recent, sinks, policy, seed=0, layer_args=None,
-                    rolling=False, score="sum", decay=1.0, pool=1, prompt_window=None, quantized=False):
+                    rolling=False, score="sum", decay=1.0, pool=1, prompt_window=None, quantized=False,
+                    max_distance=0):
     """Feed ``input_ids`` [B, S] in blocks of the given sizes; returns logits [B, S, V] under simulated H2O.
 
     ``score``, ``decay``, ``pool``, ``prompt_window``: the score rule (DESIGN.md section 2); the first block is
@@ -84,13 +85,14 @@ def simulate_logits(model, input_ids, blocks, *, capacity, recent, sinks, policy
 
     ``layer_args(layer, window) -> dict(capacity=, recent=, sinks=)`` gives a layer its own cache size (for
     sliding-window layers); by default every layer gets ``capacity``, ``recent`` and ``sinks``.
-    ``rolling``: rolling positions (keys rotated by their rank in the cache, module docstring)."""
+    ``rolling``: rolling positions (keys rotated by their rank in the cache, module docstring), or with
+    ``max_distance`` D > 0 by their true distance to the block's newest token capped at max(D, T - 1)."""
     _SIMS.clear()
     shared = dict(capacity=capacity, recent=recent, sinks=sinks)
 
     def cache_args(layer, window):
         return dict(**(layer_args(layer, window) if layer_args else shared), policy=policy, seed=seed,
-                    score=score, decay=decay, pool=pool, quantized=quantized)
+                    score=score, decay=decay, pool=pool, quantized=quantized, max_distance=max_distance)
 
     _SIMS.update(by_layer={}, cache_args=cache_args, prompt_window=prompt_window,
                  prompt_rule=prompt_window is not None or pool > 1,

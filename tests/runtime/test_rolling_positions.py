@@ -156,5 +156,5 @@ def test_models_without_rotary_embeddings_decline_rolling_positions(name):
 
 
 def test_bad_positions_value_is_named():
-    with pytest.raises(ValueError, match="positions='absolute'; allowed: 'true', 'rolling'"):
+    with pytest.raises(ValueError, match="positions=.absolute.; allowed: .true., .rolling., .capped."):
         h2o_compile.optimize(build("llama"), positions="absolute")

@@ -91,7 +91,8 @@ inline void expect(const Input& in, size_t index, std::initializer_list<int> typ
 }
 
 // Reads the 12 inputs, checks every dtype and shape against each other, and returns the sizes.
-inline h2o::Dims check_inputs(OrtKernelContext* ctx, Input (&in)[kNumInputs], int qt, int ct, bool rolling) {
+inline h2o::Dims check_inputs(OrtKernelContext* ctx, Input (&in)[kNumInputs], int qt, int ct, const h2o::Attrs& a) {
+  const bool rolling = a.rolling != 0;
   size_t n_in = 0, n_out = 0;
   check(g_api->KernelContext_GetInputCount(ctx, &n_in), "input count");
   check(g_api->KernelContext_GetOutputCount(ctx, &n_out), "output count");
@@ -132,11 +133,13 @@ inline h2o::Dims check_inputs(OrtKernelContext* ctx, Input (&in)[kNumInputs], in
   d.rope_rows = c.shape[0];
   d.rope_len = c.shape[c.shape.size() - 2];
   d.rope_width = c.shape.back();
-  if ((d.rope_rows != 1 && d.rope_rows != d.B) || d.rope_len < d.S || d.rope_width % 2 || d.rope_width < 2 ||
+  // Rank numbering reaches C + T - 1; capped distances max(D, T - 1) (kernels/rolling.py).
+  const int64_t rows_needed = a.max_distance > 0 ? std::max<int64_t>(a.max_distance, d.T - 1) + 1 : d.S;
+  if ((d.rope_rows != 1 && d.rope_rows != d.B) || d.rope_len < rows_needed || d.rope_width % 2 || d.rope_width < 2 ||
       d.rope_width > std::min<int64_t>(d.D, 1024))
-    throw Error{"input 'rope_cos' " + shape_str(c.shape) + " must be [B' in (1, " + std::to_string(d.B) +
-                "), S' >= C + T = " + std::to_string(d.S) + ", R even, 2 <= R <= min(D = " + std::to_string(d.D) +
-                ", 1024)]"};
+    throw Error{"input 'rope_cos' " + shape_str(c.shape) + " must be [B' in (1, " + std::to_string(d.B) + "), S' >= " +
+                (a.max_distance > 0 ? "max(max_distance, T - 1) + 1 = " : "C + T = ") + std::to_string(rows_needed) +
+                ", R even, 2 <= R <= min(D = " + std::to_string(d.D) + ", 1024)]"};
   if (in[11].shape != c.shape || in[11].type != c.type)
     throw Error{"input 'rope_sin' " + std::string(type_name(in[11].type)) + " " + shape_str(in[11].shape) +
                 " must match rope_cos " + type_name(c.type) + " " + shape_str(c.shape)};
@@ -181,6 +184,12 @@ inline OrtStatus* create_kernel_v2(const OrtCustomOp* op, const OrtApi* api, con
   if (bad.empty() && (a.score < 0 || a.score > 1)) bad = " score (0 = sum, 1 = mean)";
   if (bad.empty() && !(a.decay >= 0.f && a.decay <= 1.f)) bad = " decay (in [0, 1])";
   if (bad.empty() && (a.rolling < 0 || a.rolling > 1)) bad = " rolling (0 or 1)";
+  // max_distance came with format 4; a model exported before has none and numbers by rank.
+  if (OrtStatus* st = api->KernelInfoGetAttribute_int64(info, "max_distance", &a.max_distance)) {
+    api->ReleaseStatus(st);
+    a.max_distance = 0;
+  }
+  if (bad.empty() && a.max_distance < 0) bad = " max_distance (>= 0)";
   if (!bad.empty()) {
     delete k;
     return api->CreateStatus(kOrtInvalidArgument, (std::string(kName) + ": missing or invalid attribute(s):" + bad).c_str());

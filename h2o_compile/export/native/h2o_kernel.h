@@ -130,8 +130,13 @@ void run_pair(const Attrs& a, const Dims& d, const Tensors<QT, CT>& x, int64_t b
       for (int64_t i = 0; i < D; ++i) dst[i] = to_f(src[i]);
     }
 
-  // ---- rolling positions: rank among held entries, the block's valid tokens after them ----------------
-  if (a.rolling) {
+  // ---- rolling positions: rank among held entries, the block's valid tokens after them; or the true
+  // distance to the newest valid token capped at max(D, T - 1) (kernels/rolling.py) ---------------------
+  if (a.rolling && a.max_distance > 0) {
+    const int64_t cap = std::max<int64_t>(a.max_distance, T - 1), base = newest - cap;
+    w.rank.resize(S);
+    for (int64_t j = 0; j < S; ++j) w.rank[j] = std::min(std::max<int64_t>(w.pos[j] - base, 0), cap);
+  } else if (a.rolling) {
     w.order.clear();
     for (int64_t j = 0; j < C; ++j) if (pos_cache[j] >= 0) w.order.push_back(j);
     std::sort(w.order.begin(), w.order.end(), [&](int64_t i, int64_t j) { return pos_cache[i] < pos_cache[j]; });
@@ -140,6 +145,8 @@ void run_pair(const Attrs& a, const Dims& d, const Tensors<QT, CT>& x, int64_t b
     for (int64_t r = 0; r < held; ++r) w.rank[w.order[r]] = r;
     int64_t seen = 0;
     for (int64_t t = 0; t < T; ++t) { seen += valid[t] ? 1 : 0; w.rank[C + t] = held + std::max<int64_t>(seen - 1, 0); }
+  }
+  if (a.rolling) {
     const int64_t row = d.rope_rows == 1 ? 0 : b, R = d.rope_width;
     auto table = [&](const float* tab, int64_t rank) { return tab + (row * d.rope_len + rank) * R; };
     for (int64_t j = 0; j < S; ++j)  // the cache part of w.keys is a converted copy, block_keys too

@@ -31,7 +31,7 @@ int worker_count(const h2o::Dims& d) {
 template <typename QT, typename CT>
 void compute(const Kernel& kern, OrtKernelContext* ctx) {
   Input in[kNumInputs];
-  const h2o::Dims d = check_inputs(ctx, in, kern.q_type, kern.cache_type, kern.attrs.rolling != 0);
+  const h2o::Dims d = check_inputs(ctx, in, kern.q_type, kern.cache_type, kern.attrs);
   std::vector<float> sink = as_floats(in[9]), cos, sin;
   if (kern.attrs.rolling) { cos = as_floats(in[10]); sin = as_floats(in[11]); }
   void* outs[kNumOutputs];

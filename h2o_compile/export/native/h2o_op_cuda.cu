@@ -21,6 +21,7 @@ using namespace h2o_glue;
 constexpr int kThreads = 128;
 
 __device__ __forceinline__ int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 __device__ __forceinline__ float tof(float x) { return x; }
 __device__ __forceinline__ float tof(__half x) { return __half2float(x); }
 template <typename T> __device__ __forceinline__ T fromf(float x);
@@ -99,7 +100,10 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
     mass[j] = 0.f;
     if (!a.rolling) continue;
     int64_t r = 0;
-    if (j < C) {  // rank among the held entries by position (0 for an empty slot, which nobody sees)
+    if (a.max_distance > 0) {  // true distance to the newest valid token, capped at max(D, T - 1)
+      const int64_t cap = imax(a.max_distance, T - 1);
+      r = imin(imax(pos(j) - (newest - cap), 0), cap);
+    } else if (j < C) {  // rank among the held entries by position (0 for an empty slot, which nobody sees)
       if (pos_cache[j] >= 0) for (int64_t i = 0; i < C; ++i) r += pos_cache[i] >= 0 && pos_cache[i] < pos_cache[j];
     } else {
       int64_t seen = 0;
@@ -236,7 +240,7 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
 template <typename QT, typename CT>
 void compute(const Kernel& kern, OrtKernelContext* ctx) {
   Input in[kNumInputs];
-  const h2o::Dims d = check_inputs(ctx, in, kern.q_type, kern.cache_type, kern.attrs.rolling != 0);
+  const h2o::Dims d = check_inputs(ctx, in, kern.q_type, kern.cache_type, kern.attrs);
   void* outs[kNumOutputs];
   get_outputs(ctx, d, in, outs);
   void* stream = nullptr;
