@@ -43,7 +43,8 @@ def main() -> None:
         fresh = stream_perplexity(model, ids[begin:last["end"]], capacity=run["capacity"], chunk=run["chunk"],
                                   policy=run["policy"], positions=run["positions"], sink_tokens=run["sink_tokens"],
                                   window_tokens=width, rule=run.get("rule", "sum"),
-                                  recent_ratio=run.get("recent_ratio", 0.5), progress=False)
+                                  recent_ratio=run.get("recent_ratio", 0.5), progress=False,
+                                  max_distance=run.get("max_distance") or None)
         again = fresh.windows[-1]
         assert (again.start + begin, again.end + begin) == (last["start"], last["end"])
         ratio = last["perplexity"] / again.perplexity

@@ -5,8 +5,9 @@ sits a few hundred positions before the query; with true positions, Gemma 3 270M
 model's 32k positions and then broke (docs/results/stream/gemma3_64k). This probe replaces, for the reference
 op only (the stream runs eager), the rank numbering by *capped distances*: every key keeps its true distance to
 the block's last query up to ``--max-distance`` D, and older keys sit at distance D (their order among
-themselves is lost, their distance is one the model was trained on). It is a measurement, not a library
-option: nothing here is wired into the compiled, Triton or ONNX backends.
+themselves is lost, their distance is one the model was trained on). It was the measurement that led to the
+library's ``positions="capped"`` (kernels/rolling.py, every backend), which numbers keys the same way from the
+block's true positions; the probe is kept because the results it wrote (docs/results/stream) cite it.
 
     python benchmarks/stream_positions_probe.py --model gemma3-270m \\
         --text ../shared/data/books/war_and_peace.txt --tokens 65536 --budget-slots 1024 --chunk 128 \\
