@@ -201,8 +201,9 @@ def move_rotary_into_ops(gm: GraphModule, max_distance: int = 0) -> int:
 
 
 def _table_positions(graph: torch.fx.Graph, position_ids: Node, users: list[Node], max_distance: int) -> Node:
-    """``arange(S)`` expanded to [B, S]: S = the largest cache among ``users`` (every layer) + the block's T, or
-    max(D + 1, T) with distances capped at D > 0."""
+    """``arange(S)`` as [1, S]: S = the largest cache among ``users`` (every layer) + the block's T, or
+    max(D + 1, T) with distances capped at D > 0. One row, not B: the tables are the same for every row of the
+    batch (the ops broadcast B' = 1), and at D = 16,384 each row would cost 16,385 x R cosines and sines."""
     block = graph.call_function(aten.sym_size.int, (position_ids, 1))
     if max_distance:
         total = graph.call_function(torch.sym_max, (max_distance + 1, block))
@@ -212,11 +213,9 @@ def _table_positions(graph: torch.fx.Graph, position_ids: Node, users: list[Node
             size = graph.call_function(torch.sym_max, (size, graph.call_function(aten.sym_size.int,
                                                                                   (op.args[_POS_CACHE], 2))))
         total = graph.call_function(operator.add, (size, block))
-    batch = graph.call_function(aten.sym_size.int, (position_ids, 0))
     device = _val(position_ids).device
     ramp = graph.call_function(aten.arange.default, (total,), {"dtype": torch.int64, "device": device})
-    return graph.call_function(aten.expand.default, (graph.call_function(aten.unsqueeze.default, (ramp, 0)),
-                                                     [batch, -1]))
+    return graph.call_function(aten.unsqueeze.default, (ramp, 0))
 
 
 def _copy_from(graph: torch.fx.Graph, outputs: list[Node], source: Node, replacement: Node) -> dict[Node, Node]:
