@@ -70,7 +70,8 @@ class CachePlan:
               rolling_block: Optional[int] = None) -> CachePlan:
         """Plan for a sequence of at most ``max_seq_len`` tokens, or a stream of ``capacity`` slots (one of
         the two). Checks that the sequence fits the model's positions (ValueError): with true positions its
-        length; with rolling positions and ``rolling_block`` given, the last block of that many tokens."""
+        length; with rolling positions and ``rolling_block`` given, the last block of that many tokens (capped
+        distances: the longest block)."""
         if (max_seq_len is None) == (capacity is None):
             raise ValueError(f"plan either a bounded sequence (max_seq_len) or a stream (capacity), "
                              f"not {'both' if capacity is not None else 'neither'}")

@@ -41,7 +41,8 @@ class H2OConfig:
             ``"rolling"`` caches keys before RoPE and rotates them by their rank in the cache at attention
             time (StreamingLLM), so a stream can run past the model's max_position_embeddings with every
             relative distance below C + block (rotary models only). ``"capped"`` caches keys before RoPE
-            too and rotates each at its true distance to the block's last query, capped at ``max_distance``:
+            too and rotates each at its true distance to the row's newest token, capped at ``max_distance``
+            (at the block's valid tokens - 1 if that is more, so a block's own distances stay exact):
             recent keys sit where the model expects them, older ones at that one far distance (measured
             better than rank over long streams, docs/results/stream/README.md).
         max_distance: D of ``positions="capped"``: None = half the model's max_position_embeddings (the best
@@ -141,10 +142,10 @@ class H2OConfig:
         if self.positions != "capped":
             return 0
         if self.max_distance is None:
-            if max_positions is None:
-                raise ValueError("positions='capped' needs max_distance: the model's config gives no "
-                                 "max_position_embeddings to take half of")
-            return max(1, max_positions // 2)
+            if max_positions is None or max_positions < 2:
+                raise ValueError(f"positions='capped' needs max_distance: the model's config gives "
+                                 f"max_position_embeddings={max_positions}, no distance >= 1 to take half of")
+            return max_positions // 2
         if max_positions is not None and self.max_distance >= max_positions:
             raise ValueError(f"max_distance={self.max_distance} is beyond the model's positions: allowed "
                              f"1..{max_positions - 1} (max_position_embeddings={max_positions})")

@@ -307,7 +307,7 @@ class H2OModel(nn.Module):
     def _check_positions(self, t: int) -> None:
         """The positions a block of ``t`` tokens will use must be ones the model knows: true positions up to
         max_position_embeddings (a stream of a rotary model may go on, with a warning: it extrapolates),
-        rolling ones below max(C) + block."""
+        rolling ones below max(C) + block, capped distances at most max(max_distance, block - 1)."""
         known = self.limits.max_positions
         if known is None:
             return
@@ -320,14 +320,14 @@ class H2OModel(nn.Module):
             if self.max_seq_len is not None or not self.limits.rotary:
                 raise ValueError(f"the stream reaches {self._fed + t} tokens, beyond the model's "
                                  f"max_position_embeddings={known} (keys keep their true positions; "
-                                 + ("positions='rolling' keeps them inside)" if self.limits.rotary else
+                                 + ("positions='rolling' or 'capped' keeps them inside)" if self.limits.rotary else
                                     "the graph shows no rotary embedding, so the model's positions are taken "
                                     "to end there)"))
             if not self._warned_positions:
                 self._warned_positions = True
                 warnings.warn(f"the stream passes the model's max_position_embeddings={known} with true "
                               "positions: the model extrapolates to distances it never saw (positions='rolling' "
-                              "keeps every distance below C + block)", stacklevel=3)
+                              "or 'capped' keeps every distance inside)", stacklevel=3)
 
     def _last_logits(self):
         """The graph variant that projects only the block's last position through the output embeddings."""
@@ -375,7 +375,9 @@ def build_graph(model: nn.Module, *, functional: bool = False, positions: str = 
     (passes.move_rotary_into_ops; ``max_distance`` as H2OConfig's); a model without rotary embeddings raises
     UnsupportedModelError."""
     limits = check_supported(model)
-    cap = H2OConfig(positions=positions, max_distance=max_distance).position_cap(limits.max_positions)
+    capped = H2OConfig(positions=positions, max_distance=max_distance)
+    if limits.max_positions is not None:
+        capped.position_cap(limits.max_positions)  # a cap beyond the model's positions fails before the capture
     graph = capture(model)
     sites, declines = find_attention_sites(graph.graph)
     name = type(model).__name__
@@ -394,7 +396,7 @@ def build_graph(model: nn.Module, *, functional: bool = False, positions: str = 
         if not_rotary:
             raise UnsupportedModelError(f"{name}: positions={positions!r} needs rotary position embeddings on every "
                                         "layer, to rotate keys at attention time; " + "; ".join(not_rotary))
-        move_rotary_into_ops(graph, cap)
+        move_rotary_into_ops(graph, capped.position_cap(limits.max_positions))
     return graph, layers, limits
 
 

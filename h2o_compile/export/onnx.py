@@ -125,6 +125,8 @@ def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, s
                   "prefill": base.prefill, "seed": base.seed, "sink_tokens": sinks,
                   "compress_sliding": base.compress_sliding, "positions": base.positions,
                   **{name: getattr(base, name) for name in _RULE_FIELDS}}
+        if given.get("positions", "capped") != "capped" and "max_distance" not in given:
+            fields["max_distance"] = None  # the model's cap belongs to its capped positions, not to the new scheme
         fields.update(given)
         return model.model, H2OConfig(**fields)
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):

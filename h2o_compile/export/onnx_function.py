@@ -36,8 +36,8 @@ Rolling positions (``rolling`` = 1; kernels/rolling.py): q, k and the cache are 
 over the cached positions (exact in fp32 up to 2^24 positions) scattered back to the slots; q, the cached keys
 and the block's keys are rotated together, in fp32 (the reference rotates in the tables' dtype, the same for
 an fp32 model). With ``max_distance`` D > 0 the keys are numbered by their true distance to the block's newest
-valid token capped at max(D, T - 1) instead (S' >= that + 1). With ``rolling`` = 0 the tables are a [1, 1, 2]
-placeholder and the If folds away.
+valid token capped at max(D, n - 1), n the row's valid tokens, instead (S' >= max(D, T - 1) + 1). With
+``rolling`` = 0 the tables are a [1, 1, 2] placeholder and the If folds away.
 
 Precondition (kept by every state this function and reference.empty_state produce): an empty slot
 (position -1) holds zero key, value and score.
@@ -123,8 +123,9 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
         # tokens after them; q, cached keys and block keys are rotated together, in one [B, Hkv, N, D].
         capped = op.Constant(value_int=max_distance)
         if op.Greater(capped, zero_i):  # folded away by ORT: max_distance is a constant
-            # Capped distances: clamp(p - (newest - D'), 0, D') with D' = max(D, T - 1).
-            limit = op.Max(capped, op.Sub(op.Squeeze(t, [0]), one_i))
+            # Capped distances: clamp(p - (newest - D'), 0, D') with D' = max(D, valid tokens of the row - 1).
+            n_valid = op.Unsqueeze(op.ReduceSum(op.Cast(valid, to=INT64.dtype), [1], keepdims=1), [2])  # [B,1,1]
+            limit = op.Max(capped, op.Sub(n_valid, one_i))
             base = op.Sub(newest, limit)                                                # [B, 1, 1]
             cache_rank = op.Min(op.Max(op.Sub(pos_cache, base), zero_i), limit)          # [B, Hkv, C]
             block_rank = op.Min(op.Max(op.Sub(new_pos_h, base), zero_i), limit)          # [B, Hkv, T]

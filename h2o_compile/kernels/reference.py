@@ -160,7 +160,8 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
         policy: the eviction rule, a policy name or an ``EvictionRule.spec`` (kernels/rules.py).
         window, softcap, sink_logits [Hq] or None: the layer's attention kind (module docstring).
         rope: rotary tables for rolling positions (kernels/rolling.py): q, k and the cache hold unrotated
-            vectors, rotated by their rank in the cache for the attention only. None = true positions.
+            vectors, rotated by their rank in the cache (or capped distance, ``rope.max_distance``) for the
+            attention only. None = true positions.
         query_from: [B] int64 or None; given with the prompt block only: queries before it add no mass, and
             the rule's prompt pooling applies (kernels/rules.py).
         attend_fn: the attention of the block, :func:`attend_block`'s signature (the Triton backend's kernel).

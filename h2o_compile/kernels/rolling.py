@@ -12,9 +12,10 @@ row except on a compressed sliding-window layer, where heads may hold different 
 (row, KV head) then numbers its own entries and the queries of its group continue from its own n.
 
 Capped distances (``positions="capped"``, tables with ``max_distance`` D > 0): each key keeps its true distance
-to the block's last valid query L up to D' = max(D, T - 1), and keys older than that sit at distance D'. Keys
-are numbered clamp(p - (L - D'), 0, D'), the block's tokens likewise, so within the block every distance is
-exact, and query t sees key p at min(t - p, D' - (L - t)). Rank numbering squeezes a heavy hitter from 60,000
+to the row's newest valid token L up to D' = max(D, n - 1), n the row's valid tokens in the block, and keys
+older than that sit at distance D'. Keys are numbered clamp(p - (L - D'), 0, D'), the block's tokens likewise,
+so within the block every distance is exact, query t sees key p at min(t - p, D' - (L - t)), and padding
+changes nothing (a padded row numbers as the same row alone). Rank numbering squeezes a heavy hitter from 60,000
 tokens ago to a few hundred positions before the query, a distance at which the model expects a recent token;
 capping keeps recent keys where the model expects them and puts only the old ones at one far distance
 (docs/results/stream/README.md measures both). Every distance stays at most D', however long the stream.
@@ -37,7 +38,8 @@ from torch import Tensor
 
 class RopeTables(NamedTuple):
     """cos and sin [B', S, R] of the model's rotary embedding at positions 0..S-1, and how keys are numbered:
-    ``max_distance`` 0 = by rank in the cache, D > 0 = by true distance capped at D (module docstring)."""
+    ``max_distance`` 0 = by rank in the cache, D > 0 = by true distance capped at max(D, n - 1) (module
+    docstring)."""
 
     cos: Tensor
     sin: Tensor
@@ -87,14 +89,17 @@ def capped_distances(pos_cache: Tensor, new_pos: Tensor, max_distance: int) -> t
     Args:
         pos_cache: [B, Hkv, C] int64 true positions held at the start of the block, -1 = empty.
         new_pos: [B, Hkv, T] int64 true positions of the block's tokens, -1 = padding.
-        max_distance: D >= 1; the cap is D' = max(D, T - 1), so a block's own distances stay exact.
+        max_distance: D >= 1; the cap is D' = max(D, n - 1) per row (n its valid tokens), so a block's own
+            distances stay exact.
     Returns:
-        cache_number [B, Hkv, C] and block_number [B, Hkv, T], int64 in [0, D'] (empty slots and padding get
-        some number in range, which no query reads).
+        cache_number [B, Hkv, C] and block_number [B, Hkv, T], int64 in [0, D'] <= max(D, T - 1) (empty slots
+        and padding get some number in range, which no query reads).
     """
-    cap = max(max_distance, new_pos.shape[-1] - 1)
-    base = new_pos.amax(dim=-1, keepdim=True) - cap                              # [B, Hkv, 1] = L - D'
-    return (pos_cache - base).clamp(0, cap), (new_pos - base).clamp(0, cap)
+    valid = (new_pos >= 0).sum(dim=-1, keepdim=True)                             # [B, Hkv, 1] n
+    cap = (valid - 1).clamp(min=max_distance)                                    # D'
+    base = new_pos.amax(dim=-1, keepdim=True) - cap                              # L - D'
+    return ((pos_cache - base).clamp(min=0).minimum(cap),
+            (new_pos - base).clamp(min=0).minimum(cap))
 
 
 def rotate(x: Tensor, tables: RopeTables, rank: Tensor) -> Tensor:
@@ -137,6 +142,6 @@ def rotate_block(q: Tensor, k: Tensor, key_cache: Tensor, pos_cache: Tensor, new
         needed, what = pos_cache.shape[-1] + t, "C + T = "
     if tables.cos.shape[1] < needed:
         raise ValueError(f"rotary tables cover {tables.cos.shape[1]} positions; rolling positions need {what}"
-                         f"{needed}")
+                         f"{needed} (C = {pos_cache.shape[-1]}, T = {t}, max_distance = {tables.max_distance})")
     return (rotate(q, tables, block_number), rotate(k, tables, block_number),
             rotate(key_cache, tables, cache_number))

@@ -1,4 +1,5 @@
-"""Move each layer's rotary embedding from the captured graph into its h2o op (``positions="rolling"``).
+"""Move each layer's rotary embedding from the captured graph into its h2o op (``positions="rolling"`` or
+``"capped"``).
 
 Before: ``h2o.attention_(rope(q), rope(k), ...)`` with ``rope(x) = x * cos + rotate_half(x) * sin`` on the first
 R dims of x (R < D: partial rotary, GPT-NeoX / Phi style), cos and sin [B, 1, T, R] computed by the model's
@@ -174,7 +175,7 @@ def move_rotary_into_ops(gm: GraphModule, max_distance: int = 0) -> int:
     ops = _h2o_ops(gm)
     pairs, declines = find_rotary(gm)
     if declines:
-        raise ValueError("positions='rolling' needs every layer's rotary embedding in the graph; "
+        raise ValueError("rolling or capped positions need every layer's rotary embedding in the graph; "
                          + "; ".join(declines))
     if any(len(op.args) != _OP_ARGS for op in ops):
         raise ValueError("the h2o ops already take rotary tables (the graph was rewritten before)")

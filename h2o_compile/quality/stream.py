@@ -18,7 +18,8 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..config import POLICIES, POSITIONS
+from ..config import POLICIES, POSITIONS, H2OConfig
+from ..support import check_supported
 from ..runtime import optimize
 
 
@@ -146,8 +147,8 @@ def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: i
     _check(tokens, capacity, chunk, window_tokens, policy, positions)
     options = stream_rule_options(rule) if policy == "h2o" else {}
     opt = optimize(model, budget=capacity, policy=policy, positions=positions, prefill=chunk,
-                   sink_tokens=sink_tokens, recent_ratio=recent_ratio, compile=False,
-                   max_distance=max_distance if positions == "capped" else None, **options)
+                   sink_tokens=sink_tokens, recent_ratio=recent_ratio, compile=False, max_distance=max_distance,
+                   **options)
     opt.reset(1, capacity=capacity)
     ids = token_ids.reshape(1, -1).long()
     run = StreamRun(policy, positions, capacity, chunk, opt.h2o_config.sink_tokens, tokens, opt.kv_cache_bytes(),
@@ -212,6 +213,11 @@ def stream_runs(model, token_ids: torch.Tensor, *, capacity: int, chunk: int, po
     ``max_distance`` applies to the "capped" scheme."""
     for rule in rules:
         stream_rule_options(rule)  # every rule checked before the first long run
+    if max_distance is not None and "capped" not in positions:
+        raise ValueError(f"max_distance={max_distance} caps positions 'capped', which is not among "
+                         f"{', '.join(positions)}")
+    if "capped" in positions:  # the cap against the model's positions, before the first long run
+        H2OConfig(positions="capped", max_distance=max_distance).position_cap(check_supported(model).max_positions)
     runs = []
     for policy in policies:
         for rule in (rules if policy == "h2o" else ["sum"]):
@@ -219,7 +225,8 @@ def stream_runs(model, token_ids: torch.Tensor, *, capacity: int, chunk: int, po
                 runs.append(stream_perplexity(model, token_ids, capacity=capacity, chunk=chunk, policy=policy,
                                               positions=scheme, sink_tokens=sink_tokens,
                                               window_tokens=window_tokens, rule=rule, recent_ratio=recent_ratio,
-                                              progress=progress, max_distance=max_distance))
+                                              progress=progress,
+                                              max_distance=max_distance if scheme == "capped" else None))
                 if on_run is not None:
                     on_run(runs)
     return runs

@@ -10,8 +10,8 @@ the window is dropped before any eviction choice), ``softcap`` (logits = cap * t
 Rolling positions (``inv_freq`` given, [R / 2] float64): keys and queries arrive unrotated; at each block the
 kept positions are numbered 0..n-1 in increasing order and the block's tokens n, n+1, ...; both are rotated
 with these numbers (angle = number x inv_freq[i], pairing dims i and i + R/2, dims >= R untouched). With
-``max_distance`` D > 0 (capped distances) the block's newest token L sits at D' = max(D, T - 1) and every other
-key or query p at D' - min(L - p, D'): its true distance to L, capped at D'.
+``max_distance`` D > 0 (capped distances) the block's newest token L sits at D' = max(D, n - 1), n the block's
+valid tokens, and every other key or query p at D' - min(L - p, D'): its true distance to L, capped at D'.
 
 Score rules (DESIGN.md section 2, "Score rules"), simulated query by query rather than in closed form: before
 each valid query adds its probabilities, every score is multiplied by ``decay``; a query whose position is not
@@ -63,13 +63,12 @@ class SimulatedCache:
         self.values: dict[int, torch.Tensor] = {}
         self.stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # (key, value) as the cache holds them
 
-    def block(self, positions, q, k, v, scale, counted=None, prompt=False, block_len=None):
+    def block(self, positions, q, k, v, scale, counted=None, prompt=False):
         """positions: list of valid new positions (ascending); q: [G, T, D]; k, v: [T, D] (float64).
         counted: the query positions that add to the scores (None = all); prompt: pool after this block.
-        block_len: T of the op's block, padding included (default: the valid positions).
         Returns the outputs [G, T, Dv] for those positions."""
         if self.max_distance:
-            far = max(self.max_distance, (block_len or len(positions)) - 1)
+            far = max(self.max_distance, len(positions) - 1)
             newest = max(positions)
             number = {p: far - min(newest - p, far) for p in self.kept | set(positions)}
         else:

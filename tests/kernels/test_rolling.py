@@ -95,6 +95,16 @@ def test_left_padding_takes_no_rolling_position(max_distance):
         out_padded, _ = op_block(padded, q, k, v, positions, None, rope, inplace=True, **kw)
         out_alone, _ = op_block(alone, q[:1], k[:1], v[:1], positions[:1], None, rope, inplace=True, **kw)
         torch.testing.assert_close(out_padded[:1], out_alone)
+    # A padded block over a full cache: 5 tokens, 2 of them padding in row 0 (with a cap of 3, T - 1 = 4 would
+    # number the row's held keys differently from its 3 valid tokens alone).
+    q, k, v = make_block(gen, 2, hq, hkv, 5, d)
+    valid = torch.ones(2, 5, dtype=torch.bool)
+    valid[0, :2] = False
+    positions = torch.stack([torch.arange(12, 17) - 2, torch.arange(15, 20)]).clamp(min=0)
+    out_padded, _ = op_block(padded, q, k, v, positions, valid, rope, inplace=True, **kw)
+    out_alone, _ = op_block(alone, q[:1, :, 2:], k[:1, :, 2:], v[:1, :, 2:], positions[:1, 2:], None, rope,
+                            inplace=True, **kw)
+    torch.testing.assert_close(out_padded[:1, :, 2:], out_alone)
 
 
 def test_ranks_number_held_entries_in_position_order():
@@ -115,6 +125,8 @@ def test_capped_distances_count_from_the_newest_valid_token():
     assert block_number[0, 0, 1:].tolist() == [3, 4]
     _, wide = capped_distances(pos, torch.tensor([[[30, 31, 32, 33, 34, 35, 36]]]), max_distance=4)
     assert wide[0, 0].tolist() == list(range(7))      # a block longer than the cap keeps its own distances
+    _, padded = capped_distances(pos, torch.tensor([[[-1, -1, -1, 41, 42]]]), max_distance=1)
+    assert padded[0, 0, 3:].tolist() == [0, 1]        # the cap widens to the 2 valid tokens, not to T = 5
 
 
 @pytest.mark.parametrize("max_distance, rows, needed", [(0, 6, "C \\+ T = 7"),

@@ -112,3 +112,26 @@ def test_a_capped_stream_runs_far_past_the_models_positions():
 def test_bad_capped_settings_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         h2o_compile.optimize(build("llama"), compile=False, **kwargs)
+
+
+def test_an_export_switching_a_capped_model_to_rank_numbering_drops_its_cap():
+    from h2o_compile.export.onnx import _UNSET, _resolve_config
+
+    opt = h2o_compile.optimize(build("llama"), budget=8, positions="capped", max_distance=10, compile=False)
+    unset = [_UNSET] * 6
+    _, same = _resolve_config(opt, *unset)
+    _, switched = _resolve_config(opt, *unset, positions="rolling")
+    assert (same.positions, same.max_distance) == ("capped", 10)
+    assert (switched.positions, switched.max_distance) == ("rolling", None)
+
+
+def test_stream_runs_check_the_cap_before_the_first_run():
+    from h2o_compile.quality.stream import stream_runs
+
+    model, ids = build("llama"), torch.arange(1, 40)
+    with pytest.raises(ValueError, match="max_distance=10 caps positions 'capped', which is not among rolling"):
+        stream_runs(model, ids, capacity=8, chunk=4, policies=["h2o"], positions=["rolling"], max_distance=10,
+                    progress=False)
+    with pytest.raises(ValueError, match="max_distance=500 is beyond the model's positions: allowed 1..127"):
+        stream_runs(model, ids, capacity=8, chunk=4, policies=["h2o"], positions=["rolling", "capped"],
+                    max_distance=500, progress=False, on_run=lambda runs: pytest.fail("a run started"))

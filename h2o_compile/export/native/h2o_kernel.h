@@ -131,9 +131,9 @@ void run_pair(const Attrs& a, const Dims& d, const Tensors<QT, CT>& x, int64_t b
     }
 
   // ---- rolling positions: rank among held entries, the block's valid tokens after them; or the true
-  // distance to the newest valid token capped at max(D, T - 1) (kernels/rolling.py) ---------------------
+  // distance to the newest valid token capped at max(D, n_valid - 1) (kernels/rolling.py) ---------------
   if (a.rolling && a.max_distance > 0) {
-    const int64_t cap = std::max<int64_t>(a.max_distance, T - 1), base = newest - cap;
+    const int64_t cap = std::max<int64_t>(a.max_distance, n_valid - 1), base = newest - cap;
     w.rank.resize(S);
     for (int64_t j = 0; j < S; ++j) w.rank[j] = std::min(std::max<int64_t>(w.pos[j] - base, 0), cap);
   } else if (a.rolling) {

@@ -100,8 +100,8 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
     mass[j] = 0.f;
     if (!a.rolling) continue;
     int64_t r = 0;
-    if (a.max_distance > 0) {  // true distance to the newest valid token, capped at max(D, T - 1)
-      const int64_t cap = imax(a.max_distance, T - 1);
+    if (a.max_distance > 0) {  // true distance to the newest valid token, capped at max(D, n_valid - 1)
+      const int64_t cap = imax(a.max_distance, n_valid_s - 1);
       r = imin(imax(pos(j) - (newest - cap), 0), cap);
     } else if (j < C) {  // rank among the held entries by position (0 for an empty slot, which nobody sees)
       if (pos_cache[j] >= 0) for (int64_t i = 0; i < C; ++i) r += pos_cache[i] >= 0 && pos_cache[i] < pos_cache[j];

@@ -8,7 +8,7 @@ namespace h2o {
 struct Attrs {  // the attributes of export/onnx_function.py's signature
   float scale = 1.f, softcap = 0.f, decay = 1.f;
   int64_t recent = 1, sinks = 0, policy = 0, seed = 0, window = 0, rolling = 0, score = 0;
-  int64_t max_distance = 0;  // rolling numbering: 0 = rank, D > 0 = true distance capped at max(D, T - 1)
+  int64_t max_distance = 0;  // rolling numbering: 0 = rank, D > 0 = true distance capped at max(D, n_valid - 1)
 };
 
 // C = cache slots, T = block tokens, S = C + T, G = Hq / Hkv query heads per KV head.
