@@ -2,11 +2,14 @@
 
 Rank numbering builds rotary tables of C + T rows per forward; capped distances max(D + 1, T) rows (16,385 at
 Gemma 3's default D = 16,384), evaluated by the model's own rotary subgraph at every forward. This measures
-that cost where a stream pays it: one eager step of T tokens after the cache is full, alternating the schemes
-in one process, median of ``--repeats``.
+that cost where a stream pays it: one step of T tokens after the cache is full, alternating the schemes in
+one process, median of ``--repeats``. Eager by default (how streams and CPU generate run); ``--compile`` times
+the compiled decode step instead (T = 1 only: the step torch.compile serves).
 
     python benchmarks/positions_cost.py --model gemma3-270m --budget-slots 1024 --tokens 1,128 \\
         --out docs/results/stream/positions_cost
+    python benchmarks/positions_cost.py --model gemma3-270m --budget-slots 1024 --tokens 1 --compile \\
+        --out docs/results/stream/positions_cost_compiled
 
 Writes positions_cost.json and .md (command and machine included).
 """
@@ -28,9 +31,9 @@ from h2o_compile.zoo.loading import load_local
 SCHEMES = ("rolling", "capped", "true")
 
 
-def filled(model, scheme: str, slots: int, vocab: int) -> h2o_compile.H2OModel:
+def filled(model, scheme: str, slots: int, vocab: int, compile: bool) -> h2o_compile.H2OModel:
     """A stream of ``slots`` + 256 tokens already fed (every slot taken, eviction running)."""
-    opt = h2o_compile.optimize(model, budget=slots, policy="h2o", positions=scheme, prefill=128, compile=False)
+    opt = h2o_compile.optimize(model, budget=slots, policy="h2o", positions=scheme, prefill=128, compile=compile)
     opt.reset(1, capacity=slots)
     ids = torch.randint(0, vocab, (1, slots + 256), generator=torch.Generator().manual_seed(0))
     opt.step(ids)
@@ -43,12 +46,15 @@ def main() -> None:
     parser.add_argument("--budget-slots", type=int, default=1024)
     parser.add_argument("--tokens", default="1,128", help="comma-separated block sizes T")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--compile", action="store_true", help="time the compiled decode step (--tokens 1)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     blocks = [int(t) for t in args.tokens.split(",")]
+    if args.compile and blocks != [1]:
+        raise ValueError(f"--compile times the decode step: give --tokens 1, not {args.tokens}")
     model, _ = load_local(args.model)
     vocab = model.config.vocab_size
-    runners = {scheme: filled(model, scheme, args.budget_slots, vocab) for scheme in SCHEMES}
+    runners = {scheme: filled(model, scheme, args.budget_slots, vocab, args.compile) for scheme in SCHEMES}
     times = {(scheme, t): [] for scheme in SCHEMES for t in blocks}
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -70,12 +76,14 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     header = {"command": command_line(), "machine": machine_description(), "model": args.model,
-              "budget_slots": args.budget_slots, "repeats": args.repeats, "max_distance": caps["capped"]}
+              "budget_slots": args.budget_slots, "repeats": args.repeats, "max_distance": caps["capped"],
+              "compiled": args.compile}
     write_json(out / "positions_cost.json", {**header, "results": records})
     table = markdown_table(["positions", "block T", "median step (ms)", "vs rolling"], rows)
     (out / "positions_cost.md").write_text(
         f"# Step time by position scheme: {args.model}\n\nCommand: `{header['command']}`  \n"
-        f"Machine: {header['machine']}\n\nOne eager step of T tokens through {args.budget_slots} slots after "
+        f"Machine: {header['machine']}\n\nOne {'compiled' if args.compile else 'eager'} step of T tokens "
+        f"through {args.budget_slots} slots after "
         f"{args.budget_slots + 256} tokens, h2o, the schemes alternating in one process, median of "
         f"{args.repeats} (after one warm-up round). Capped at {caps['capped']:,}.\n\n{table}\n")
     print((out / "positions_cost.md").read_text())
