@@ -105,9 +105,15 @@ def test_bad_stream_settings_are_named(kwargs, match):
         stream_perplexity(build("llama"), torch.arange(1, 20), progress=False, **args)
 
 
-def test_stream_cli_writes_json_markdown_and_plot(tmp_path, capsys):
-    text = tmp_path / "words.txt"
-    text.write_text(" ".join(f"word{(i * 7) % 50}" for i in range(3000)))
+@pytest.fixture
+def text(tmp_path):
+    """A word file for the stream command: 3,000 words cycling through 50."""
+    path = tmp_path / "words.txt"
+    path.write_text(" ".join(f"word{(i * 7) % 50}" for i in range(3000)))
+    return path
+
+
+def test_stream_cli_writes_json_markdown_and_plot(tmp_path, text, capsys):
     out = tmp_path / "stream"
     code = main(["stream", "--model", "tiny", "--text", str(text), "--tokens", "1500", "--budget-slots", "64",
                  "--chunk", "32", "--policy", "h2o,sink", "--positions", "rolling,true", "--window-tokens", "500",
@@ -130,9 +136,7 @@ def test_stream_cli_writes_json_markdown_and_plot(tmp_path, capsys):
     assert "score rule 'snapkv'" in capsys.readouterr().err
 
 
-def test_stream_cli_runs_each_rule_and_reports_ages(tmp_path):
-    text = tmp_path / "words.txt"
-    text.write_text(" ".join(f"word{(i * 7) % 50}" for i in range(3000)))
+def test_stream_cli_runs_each_rule_and_reports_ages(tmp_path, text):
     out = tmp_path / "stream"
     assert main(["stream", "--model", "tiny", "--text", str(text), "--tokens", "600", "--budget-slots", "48",
                  "--chunk", "32", "--policy", "h2o,sink", "--rules", "sum,decay=0.9", "--recent-ratio", "0.25",
@@ -147,9 +151,7 @@ def test_stream_cli_runs_each_rule_and_reports_ages(tmp_path):
     assert "| h2o [decay=0.9] recent 0.25 (rolling positions) |" in text_md and "median age" in text_md
 
 
-def test_stream_cli_runs_capped_distances_next_to_rank_numbering(tmp_path, capsys):
-    text = tmp_path / "words.txt"
-    text.write_text(" ".join(f"word{(i * 7) % 50}" for i in range(3000)))
+def test_stream_cli_runs_capped_distances_next_to_rank_numbering(tmp_path, text, capsys):
     out = tmp_path / "stream"
     assert main(["stream", "--model", "tiny", "--text", str(text), "--tokens", "600", "--budget-slots", "48",
                  "--chunk", "32", "--policy", "h2o", "--positions", "rolling,capped", "--max-distance", "100",

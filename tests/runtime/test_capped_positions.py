@@ -2,8 +2,9 @@
 
 (a) a cap beyond the sequence => the distances are the true ones: greedy generate equals transformers' own,
 left padding included; (b) an evicting budget and a cap the stream passes => step logits equal the
-in-transformers brute-force simulation (tests/runtime/hf_simulation.py); (c) compiled == eager in one graph;
-(d) a stream runs far past max_position_embeddings; (e) the default cap and the errors."""
+in-transformers brute-force simulation: test_rolling_positions.py's evicting test, run for both numberings;
+(c) compiled == eager in one graph; (d) a stream runs far past max_position_embeddings; (e) the default cap
+and the errors."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import torch
 
 import h2o_compile
 
-from .arch_configs import VOCAB, WINDOW, build
+from .arch_configs import VOCAB, build
 from .compile_checks import assert_ran_compiled, strict_compile
-from .hf_simulation import simulate_logits
 from .test_rolling_positions import padded_prompts
 
 
@@ -33,38 +33,6 @@ def test_a_cap_beyond_the_sequence_generates_what_transformers_does(name):
     ours = opt.generate(ids, attention_mask=mask, max_new_tokens=32, pad_token_id=0)
     theirs = model.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
     assert torch.equal(ours, theirs), f"first mismatch at {(ours != theirs).nonzero()[:1].tolist()}"
-
-
-@pytest.mark.parametrize("name,compress", [("llama", False), ("gpt_neox", False), ("gemma3", False),
-                                           ("gemma3", True)])
-def test_evicting_budget_capped_logits_equal_simulation(name, compress):
-    """6 slots, a cap of 5 over 30 tokens (the 7-token prompt takes the wider cap of 6); partial rotary
-    (GPT-NeoX), two rotary bases and sliding layers (Gemma 3)."""
-    model = build(name)
-    budget, cap, blocks = 6, 5, [7, 1, 1, 1, 3, 1, 1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
-    opt = h2o_compile.optimize(model, budget=budget, positions="capped", max_distance=cap, prefill=8,
-                               compress_sliding=compress, compile=False)
-    total = sum(blocks)
-    ids = torch.randint(1, VOCAB, (2, total), generator=torch.Generator().manual_seed(3))
-    opt.reset(2, total)
-    ours, start = [], 0
-    for size in blocks:
-        ours.append(opt.step(ids[:, start:start + size]))
-        start += size
-
-    def layer_args(layer, window):
-        recent = opt.h2o_config.recent_window(budget)
-        if window and not compress:
-            return dict(capacity=window, recent=window, sinks=0)
-        return dict(capacity=min(budget, window or budget), recent=min(recent, window or recent), sinks=0)
-
-    assert [spec.window for spec in opt.layers] == ([WINDOW, 0, WINDOW] if name == "gemma3" else [0, 0])
-    want = simulate_logits(model, ids, blocks, capacity=budget, recent=0, sinks=0, policy="h2o",
-                           layer_args=layer_args, rolling=True, max_distance=cap)
-    torch.testing.assert_close(torch.cat(ours, dim=1), want.float(), rtol=1e-4, atol=1e-4)
-    rank = simulate_logits(model, ids, blocks, capacity=budget, recent=0, sinks=0, policy="h2o",
-                           layer_args=layer_args, rolling=True)
-    assert (want - rank).abs().max() > 1e-3  # the cap is not the rank numbering in disguise
 
 
 def test_compiled_capped_step_equals_eager_in_one_graph():

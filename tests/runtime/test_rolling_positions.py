@@ -43,16 +43,19 @@ def test_without_eviction_rolling_generate_equals_transformers(name):
     assert torch.equal(ours, theirs), f"first mismatch at {(ours != theirs).nonzero()[:1].tolist()}"
 
 
+@pytest.mark.parametrize("max_distance", [0, 5], ids=["rank", "capped"])
 @pytest.mark.parametrize("name,compress", [("llama", False), ("gpt_neox", False), ("qwen3", False),
                                            ("gemma3", False), ("gemma3", True)])
-def test_evicting_budget_rolling_logits_equal_simulation(name, compress):
+def test_evicting_budget_rolling_logits_equal_simulation(name, compress, max_distance):
     """An int budget of 6 slots that evicts at every step after the first block; partial rotary (GPT-NeoX),
     two rotary bases (Gemma 3: local on sliding layers, global on the full one), sliding layers as window
-    caches or compressed."""
+    caches or compressed. Keys numbered by rank (positions="rolling") or by distance capped at 5 over 30
+    tokens (positions="capped"; the 7-token prompt takes the wider cap of 6)."""
     model = build(name)
     budget, blocks = 6, [7, 1, 1, 1, 3, 1, 1, 1, 1, 5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
-    opt = h2o_compile.optimize(model, budget=budget, positions="rolling", prefill=8, compress_sliding=compress,
-                               compile=False)
+    positions = "capped" if max_distance else "rolling"
+    opt = h2o_compile.optimize(model, budget=budget, positions=positions, max_distance=max_distance or None,
+                               prefill=8, compress_sliding=compress, compile=False)
     total = sum(blocks)
     ids = torch.randint(1, VOCAB, (2, total), generator=torch.Generator().manual_seed(3))
     opt.reset(2, total)
@@ -70,8 +73,12 @@ def test_evicting_budget_rolling_logits_equal_simulation(name, compress):
 
     assert windows == ([WINDOW, 0, WINDOW] if name == "gemma3" else [0, 0])
     want = simulate_logits(model, ids, blocks, capacity=budget, recent=0, sinks=0, policy="h2o",
-                           layer_args=layer_args, rolling=True)
+                           layer_args=layer_args, rolling=True, max_distance=max_distance)
     torch.testing.assert_close(torch.cat(ours, dim=1), want.float(), rtol=1e-4, atol=1e-4)
+    if max_distance:
+        rank = simulate_logits(model, ids, blocks, capacity=budget, recent=0, sinks=0, policy="h2o",
+                               layer_args=layer_args, rolling=True)
+        assert (want - rank).abs().max() > 1e-3  # the cap is not the rank numbering in disguise
 
 
 def test_rolling_and_true_positions_differ_once_keys_are_evicted():
