@@ -16,9 +16,9 @@ from .config import H2OConfig
 from .cache_plan import CachePlan
 from .kernels import native_cpu
 from .ops import backend_for
-from .passes import (LayerSpec, find_attention_sites, find_rotary, fuse_decode_bookkeeping, last_position_logits,
-                     move_rotary_into_ops, rewrite_attention, runtime_recent_graph, set_h2o_params, state_names,
-                     weight_major_linears)
+from .passes import (LayerSpec, cache_rotary_tables, find_attention_sites, find_rotary, fuse_decode_bookkeeping,
+                     last_position_logits, move_rotary_into_ops, rewrite_attention, runtime_recent_graph,
+                     set_h2o_params, state_names, weight_major_linears)
 from .passes.h2o_attention import copy_graph_module
 from .support import (ModelLimits, UnsupportedModelError, check_capped_fits, check_rolling_fits, check_supported,
                       text_config)
@@ -76,6 +76,9 @@ class H2OModel(nn.Module):
         # Sinks per layer, policy and seed are the same for every request: constants of the graph, set once.
         set_h2o_params(self.graph, sinks=[config.layer_sinks(spec.window) for spec in layers],
                        policy=config.rule.spec, seed=config.seed)
+        # What eager calls run: the graph with its rotary tables (rolling / capped positions) computed once per
+        # table size; the compiled step derives from self.graph and fuses them instead.
+        self._eager_graph = cache_rotary_tables(self.graph)
         self._recent = []    # the recent window per layer, an input of every call
         self._compiled_step = None      # built on the first compiled decode step
         self._eager_step_graph = None   # built on the first eager CPU decode step that needs it (_eager_decode_step)
@@ -171,7 +174,7 @@ class H2OModel(nn.Module):
 
     def _run_graph(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor,
                    query_from: Optional[Tensor] = None) -> Tensor:
-        return self.graph(input_ids, positions, valid, *state, *self._recent, query_from)
+        return self._eager_graph(input_ids, positions, valid, *state, *self._recent, query_from)
 
     def resolved_compile_mode(self) -> Optional[str]:
         """The torch.compile mode of the decode step on this model's device, or None when it runs eagerly."""
@@ -222,7 +225,7 @@ class H2OModel(nn.Module):
         if input_ids.shape[0] == 1 and not native:
             return self._run_graph(input_ids, positions, valid, *state)
         if self._eager_step_graph is None or self._eager_step_native != native:
-            self._eager_step_graph = copy_graph_module(self.graph)  # shares the weights
+            self._eager_step_graph = copy_graph_module(self._eager_graph)  # shares the weights
             self._eager_step_native = native
             weight_major_linears(self._eager_step_graph, native=native)
         return self._eager_step_graph(input_ids, positions, valid, *state, *self._recent, None)
@@ -335,9 +338,9 @@ class H2OModel(nn.Module):
             head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
             path = next((name for name, module in self.model.named_modules() if module is head), None)
             try:
-                self._last_logits_graph = last_position_logits(self.graph, f"model.{path}")
+                self._last_logits_graph = last_position_logits(self._eager_graph, f"model.{path}")
             except ValueError:  # no recognisable output projection: slice the full logits instead
-                self._last_logits_graph = lambda *inputs: self.graph(*inputs)[:, -1:]
+                self._last_logits_graph = lambda *inputs: self._eager_graph(*inputs)[:, -1:]
         return self._last_logits_graph
 
     def generate(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, generation_config=None,
