@@ -67,7 +67,7 @@ class H2OModel(nn.Module):
         self.limits = limits
         self.compile_mode = compile
         self.regional_compile = regional_compile
-        self.capacity: Optional[int] = None           # C of the full-attention layers (the budget)
+        self.capacity: Optional[int] = None           # C, the budget's slots per layer (H2OConfig.global_share)
         self.layer_capacities: list[int] = []         # slots per layer (sliding-window layers may differ)
         self.max_seq_len: Optional[int] = None
         self.plan: Optional[CachePlan] = None         # the state of the last reset()
@@ -418,7 +418,7 @@ def check_layer_kinds(name: str, sites, limits: ModelLimits) -> None:
 
 def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio: float = 0.5,
              sink_tokens: Optional[int] = None, policy: str = "h2o", prefill: Union[str, int] = "full",
-             seed: int = 0, compress_sliding: bool = False, positions: str = "true",
+             seed: int = 0, compress_sliding: bool = False, global_share: float = 1.0, positions: str = "true",
              max_distance: Optional[int] = None, score: str = "sum",
              score_decay: float = 1.0, prompt_window: Optional[int] = None, prompt_pool: int = 1,
              kv_dtype: str = "model", compile: Union[str, bool] = "auto",
@@ -427,8 +427,8 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
 
     Args:
         budget: float in (0, 1] (fraction of prompt + new tokens) or int (cache slots).
-        recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding, positions, max_distance: see
-            :class:`H2OConfig`.
+        recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding, global_share, positions,
+            max_distance: see :class:`H2OConfig`.
         score, score_decay, prompt_window, prompt_pool: the score rule of policy ``h2o`` (:class:`H2OConfig`);
             the defaults are the paper's.
         kv_dtype: ``"model"`` or ``"int8"`` (kept keys and values as int8 with one scale per vector, about a
@@ -453,11 +453,12 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
             freezes the weights, nor on CUDA (ValueError).
     """
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
-                       prefill=prefill, seed=seed, compress_sliding=compress_sliding, positions=positions,
-                       max_distance=max_distance, score=score, score_decay=score_decay,
+                       prefill=prefill, seed=seed, compress_sliding=compress_sliding, global_share=global_share,
+                       positions=positions, max_distance=max_distance, score=score, score_decay=score_decay,
                        prompt_window=prompt_window, prompt_pool=prompt_pool, kv_dtype=kv_dtype)
     check_compile(compile)
     graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized,
                                         max_distance=config.max_distance)
+    config.layer_shares([spec.window for spec in layers])  # a share the model's layers cannot take fails here
     check_regional_compile(regional_compile)
     return H2OModel(model, graph, layers, config, limits, compile=compile, regional_compile=regional_compile)

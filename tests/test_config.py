@@ -75,3 +75,39 @@ def test_rolling_positions_may_reach_the_models_last_position_and_no_further(max
         with pytest.raises(ValueError, match=f"= {reach}, beyond the model's max_position_embeddings=128"):
             check_rolling_fits(limits, max_slots, before, block)
     check_rolling_fits(ModelLimits(num_layers=1, max_positions=None, windows=(0,)), max_slots, before, block)
+
+
+GEMMA3_WINDOWS = ([512] * 5 + [0]) * 3  # Gemma 3 270M: 15 sliding-window layers, 3 full-attention ones
+
+
+def test_global_share_splits_the_same_slots_by_kind():
+    config = H2OConfig(budget=0.2, compress_sliding=True, global_share=2.0)
+    shares = config.layer_shares(GEMMA3_WINDOWS)
+    assert shares == [0.8] * 5 + [2.0] + [0.8] * 5 + [2.0] + [0.8] * 5 + [2.0]  # (18 - 3 x 2) / 15 = 0.8
+    assert H2OConfig().layer_shares(GEMMA3_WINDOWS) == [1.0] * 18
+    # 1024 tokens at 0.2: C = 205; full-attention layers 410 slots, sliding ones 164 (at most their 512)
+    assert config.layer_params(1024, 0, share=2.0)[:2] == (410, 205)
+    assert config.layer_params(1024, 512, share=0.8)[:2] == (164, 82)
+    assert config.layer_params(1024, 100, share=0.8)[0] == 100  # never beyond the window
+    assert H2OConfig(budget=0.6, compress_sliding=True, global_share=2.0).layer_params(1000, 0, share=2.0)[0] == 1000
+    assert config.layer_params(None, 0, capacity=100, share=2.0)[:2] == (200, 100)  # a stream of C = 100
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(global_share=2.0), "needs both compressed: set compress_sliding=True"),
+    (dict(global_share=0.0, compress_sliding=True), r"global_share=0.0 must be a number > 0"),
+    (dict(global_share=True, compress_sliding=True), "global_share=True must be a number > 0"),
+    (dict(global_share=math.inf, compress_sliding=True), "must be a number > 0"),
+    (dict(global_share=2.0, compress_sliding=True, policy="full"), "there are no slots to move"),
+])
+def test_bad_global_share(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        H2OConfig(**kwargs)
+
+
+def test_global_share_needs_both_kinds_and_slots_left_for_the_sliding_layers():
+    config = H2OConfig(compress_sliding=True, global_share=6.0)
+    with pytest.raises(ValueError, match="3 full-attention layers of 18 would hold every slot; allowed: below 6"):
+        config.layer_shares(GEMMA3_WINDOWS)
+    with pytest.raises(ValueError, match="this model has 4 full-attention and 0 sliding-window layers"):
+        H2OConfig(compress_sliding=True, global_share=2.0).layer_shares([0] * 4)

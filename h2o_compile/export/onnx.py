@@ -104,7 +104,7 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
     return out, keys, values, scores, slots, new_key_scale, new_value_scale
 
 
-_RULE_FIELDS = ("max_distance", "score", "score_decay", "prompt_window", "prompt_pool", "kv_dtype")
+_RULE_FIELDS = ("global_share", "max_distance", "score", "score_decay", "prompt_window", "prompt_pool", "kv_dtype")
 
 
 def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding=_UNSET,
@@ -137,16 +137,15 @@ def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, s
 
 def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len: int | None = None,
                 batch_size: int | None = None, policy=_UNSET, recent_ratio=_UNSET, sink_tokens=_UNSET,
-                prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, positions=_UNSET, max_distance=_UNSET,
-                score=_UNSET,
-                score_decay=_UNSET, prompt_window=_UNSET, prompt_pool=_UNSET, kv_dtype=_UNSET, opset: int = 18,
-                tokenizer=None, op: str = "function") -> Path:
+                prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, global_share=_UNSET, positions=_UNSET,
+                max_distance=_UNSET, score=_UNSET, score_decay=_UNSET, prompt_window=_UNSET, prompt_pool=_UNSET,
+                kv_dtype=_UNSET, opset: int = 18, tokenizer=None, op: str = "function") -> Path:
     """Export ``model`` (a transformers causal LM or an :class:`H2OModel`) with its H2O cache to ``out_dir``.
 
     Args:
-        budget, policy, recent_ratio, sink_tokens, prefill, seed, compress_sliding, positions, max_distance,
-            score, score_decay: as :class:`H2OConfig` (prompt_window and prompt_pool are declined: the exported graph
-            has no input marking the prompt block), kv_dtype
+        budget, policy, recent_ratio, sink_tokens, prefill, seed, compress_sliding, global_share, positions,
+            max_distance, score, score_decay: as :class:`H2OConfig` (prompt_window and prompt_pool are declined:
+            the exported graph has no input marking the prompt block), kv_dtype
             (default: the H2OModel's own settings, else H2OConfig's defaults). ``prefill`` is recorded for the
             ORT model.
         max_seq_len: the longest prompt + new tokens the export serves (default: the model's
@@ -167,7 +166,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     from ..runtime import build_graph  # runtime imports export lazily via the package; avoid a cycle
 
     hf_model, config = _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed,
-                                       compress_sliding, positions, max_distance=max_distance, score=score,
+                                       compress_sliding, positions, global_share=global_share,
+                                       max_distance=max_distance, score=score,
                                        score_decay=score_decay,
                                        prompt_window=prompt_window, prompt_pool=prompt_pool, kv_dtype=kv_dtype)
     _check_op(op, config)
@@ -206,8 +206,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         "format": FORMAT, "format_version": FORMAT_VERSION, "model_file": MODEL_FILE,
         "budget": config.budget, "policy": config.policy, "recent_ratio": config.recent_ratio,
         "sink_tokens": config.sink_tokens, "seed": config.seed, "prefill": config.prefill,
-        "compress_sliding": config.compress_sliding, "positions": config.positions,
-        "max_distance": config.position_cap(limits.max_positions) or None,
+        "compress_sliding": config.compress_sliding, "global_share": config.global_share,
+        "positions": config.positions, "max_distance": config.position_cap(limits.max_positions) or None,
         "score": config.score, "score_decay": config.score_decay, "kv_dtype": config.kv_dtype,
         "capacity": capacity, "recent": recent, "max_seq_len": max_seq_len, "batch_size": batch_size,
         "opset": opset, "op": op, "dtype": _DTYPES[dtype], "vocab_size": int(hf_model.config.vocab_size),

@@ -224,7 +224,8 @@ def add_quality_parsers(sub) -> None:
     ev.add_argument("--h2o-sinks", type=int, default=0, help="also evaluate h2o with this many sink tokens")
     ev.add_argument("--h2o-rules", type=csv_of(str), default=[],
                     help="also evaluate h2o under these score rules: mean, tova, snapkv, decay=G, window=W, pool=K, "
-                         "recent=R (the recent window's share), joined by '+'")
+                         "recent=R (the recent window's share), global=S (full-attention layers' share of the slots, "
+                         "with --compress-sliding), joined by '+'")
     ev.add_argument("--kv-dtypes", type=csv_of(str), default=["model"],
                     help="entry dtypes, each configuration once per dtype: model, int8 (model); int8 rows are "
                          "labelled <policy>+int8")
@@ -266,7 +267,8 @@ def add_quality_parsers(sub) -> None:
     tk.add_argument("--policies", type=csv_of(str), default=["h2o", "sink", "local"],
                     help="comma-separated, from h2o, local, sink, random (h2o,sink,local)")
     tk.add_argument("--rules", type=csv_of(str), default=["sum"],
-                    help="h2o score rules: sum, mean, tova, snapkv, decay=G, window=W, pool=K, joined by '+' (sum)")
+                    help="h2o score rules: sum, mean, tova, snapkv, decay=G, window=W, pool=K, global=S (with "
+                         "--compress-sliding), joined by '+' (sum)")
     tk.add_argument("--compress-sliding", action="store_true",
                     help="compress sliding-window layers to the budget too (default: they keep their window)")
     tk.add_argument("--sink-tokens", type=int, default=None, help="sink tokens of h2o (default 0; sink: 4)")

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from ..config import H2OConfig
 from ..kernels.quantized import check_kv_dtype
 from ..runtime import optimize
 
@@ -45,8 +46,8 @@ class EvalSettings:
             raise ValueError("no configuration to run: give at least one policy, h2o_sinks > 0 or an h2o rule")
         from .task_eval import parse_rule_option
 
-        for rule in self.h2o_rules:
-            parse_rule_option(rule)  # a ValueError names a bad rule before the sweep starts
+        for rule in self.h2o_rules:  # a ValueError names a bad rule before the sweep starts
+            H2OConfig(compress_sliding=self.compress_sliding, **parse_rule_option(rule))
         for kv_dtype in self.kv_dtypes:
             check_kv_dtype(kv_dtype)
         if self.num_seqs < 0:

@@ -17,9 +17,10 @@ RULE_PRESETS = {"sum": {}, "mean": {"score": "mean"}, "tova": {"score_decay": 0.
 
 
 def parse_rule_option(text: str) -> dict:
-    """'sum' | 'mean' | 'tova' | 'snapkv' | 'decay=G' | 'window=W' | 'pool=K' | 'recent=R', joined by '+' ->
-    H2OConfig keyword arguments (recent=R: the recent window's share of the cache, recent_ratio). A ValueError
-    names the bad part; H2OConfig checks the values."""
+    """'sum' | 'mean' | 'tova' | 'snapkv' | 'decay=G' | 'window=W' | 'pool=K' | 'recent=R' | 'global=S', joined
+    by '+' -> H2OConfig keyword arguments (recent=R: the recent window's share of the cache, recent_ratio;
+    global=S: global_share, with compress_sliding). A ValueError names the bad part; H2OConfig checks the
+    values."""
     options: dict = {}
     for part in text.split("+"):
         name, _, value = part.partition("=")
@@ -34,11 +35,13 @@ def parse_rule_option(text: str) -> dict:
                 options["prompt_pool"] = int(value)
             elif name == "recent":
                 options["recent_ratio"] = float(value)
+            elif name == "global":
+                options["global_share"] = float(value)
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"score rule {text!r}: cannot read {part!r}; use {', '.join(RULE_PRESETS)}, decay=G, "
-                             "window=W, pool=K or recent=R, joined by '+'") from None
+                             "window=W, pool=K, recent=R or global=S, joined by '+'") from None
     return options
 
 

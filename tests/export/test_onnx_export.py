@@ -37,6 +37,9 @@ CASES = {
     "gemma3_window_cache": ("gemma3", {"budget": 8, "sink_tokens": 1, "policy": "h2o"}),
     "gemma2_compressed": ("gemma2", {"budget": 8, "policy": "h2o", "compress_sliding": True}),
     "gemma3_compressed": ("gemma3", {"budget": 8, "policy": "sink", "compress_sliding": True}),
+    # Slots by kind of layer: 12 on the full-attention layer, 6 on each sliding one (H2OConfig.global_share).
+    "gemma3_global_share": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
+                                       "global_share": 1.5}),
     # Rolling positions: the rotary tables are computed in the graph, the function rotates by rank.
     "llama_rolling": ("llama", {"budget": 6, "sink_tokens": 1, "policy": "h2o", "positions": "rolling"}),
     "gpt_neox_rolling_partial_rotary": ("gpt_neox", {"budget": 9, "sink_tokens": 2, "policy": "sink",
@@ -107,8 +110,9 @@ def drive_both(ours, theirs, ids, mask, steps, max_seq_len):
             kept = ours.kept_positions(layer)
             want = theirs.kept_positions(layer)
             assert torch.equal(kept, want), f"kept positions, layer {layer}, step {step}"
-        budget_layer = next(i for i in range(layers) if ours.kept_positions(i).shape[-1] == ours.capacity)
-        full = (ours.kept_positions(budget_layer) >= 0).sum(-1).eq(ours.capacity).all()
+        budget_layer = next(i for i in range(layers) if not theirs.layers[i].window)  # under the budget
+        slots = ours.kept_positions(budget_layer).shape[-1]
+        full = (ours.kept_positions(budget_layer) >= 0).sum(-1).eq(slots).all()
         evicting += int(full)
         token = b[:, -1].argmax(-1, keepdim=True)
         assert torch.equal(a[:, -1].argmax(-1), b[:, -1].argmax(-1)), f"greedy token, step {step}"

@@ -87,10 +87,34 @@ def test_evicting_budget_equals_simulation(name, compress):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_compiled_decode_equals_eager_without_graph_breaks(name):
+def test_global_share_moves_slots_and_equals_simulation(name):
+    """global_share=1.6 of budget 10 over 1 full-attention and 2 sliding layers: 16 slots on the full one,
+    (3 - 1.6) / 2 x 10 = 7 on each sliding one (DESIGN: the same 30 slots as a uniform split)."""
+    model = build(name, seed=1)
+    opt = h2o_compile.optimize(model, budget=10, sink_tokens=1, compile=False, compress_sliding=True,
+                               global_share=1.6)
+    ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
+    blocks = [20] + [1] * (LENGTH - 20)
+
+    def layer_args(layer, window):
+        if window is None:
+            return dict(capacity=16, recent=8, sinks=1)
+        return dict(capacity=7, recent=4, sinks=1)  # round(3.5) = 4
+
+    ours = _run_blocks(opt, ids, blocks)
+    assert opt.layer_capacities == [7, 16, 7]
+    want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
+                           layer_args=layer_args)
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("share", [1.0, 1.5], ids=["uniform", "global-share"])
+def test_compiled_decode_equals_eager_without_graph_breaks(name, share):
+    """global_share 1.5: 12 slots on the full-attention layer, 6 on the sliding ones, one compiled step."""
     model = build(name, seed=2)
-    eager = h2o_compile.optimize(model, budget=8, compile=False, compress_sliding=True)
-    compiled = h2o_compile.optimize(model, budget=8, compile=True, compress_sliding=True)
+    eager = h2o_compile.optimize(model, budget=8, compile=False, compress_sliding=True, global_share=share)
+    compiled = h2o_compile.optimize(model, budget=8, compile=True, compress_sliding=True, global_share=share)
     ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 6), generator=torch.Generator().manual_seed(4))
     for opt in (eager, compiled):
         opt.reset(2, ids.shape[1])
@@ -121,3 +145,8 @@ def test_cache_bytes_per_layer_and_transformers_cache():
     held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
     assert opt.hf_cache_bytes(2, LENGTH) == held
     assert opt.full_cache_bytes(2, LENGTH) == 3 * 2 * 2 * LENGTH * (16 + 16) * 4
+
+
+def test_global_share_on_a_model_of_one_kind_fails_at_optimize():
+    with pytest.raises(ValueError, match="this model has 2 full-attention and 0 sliding-window layers"):
+        h2o_compile.optimize(build("llama"), compress_sliding=True, global_share=2.0, compile=False)
