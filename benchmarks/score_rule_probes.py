@@ -13,9 +13,10 @@ Probes (each changes what policy ``h2o`` computes; every other argument means wh
     pyramid=B,T     per-layer budgets on a line from B x C (first layer) to T x C (last layer), C the
                     budget's slots (mean about C), a sliding layer at most its window (PyramidKV's shape).
     global=G        full-attention layers G x C slots, the sliding-window layers what keeps the mean at C
-                    (hybrid models with every layer compressed, e.g. Gemma 3 with --compress-sliding).
+                    (hybrid models with every layer compressed, e.g. Gemma 3 with --compress-sliding). Measured
+                    here first; the library now has it (H2OConfig.global_share, the eval rule "global=G").
 
-Results: docs/results/eval_gemma3/README.md, section "Rules tried outside the library".
+Results: docs/results/eval_gemma3/probes/README.md.
 """
 
 from __future__ import annotations

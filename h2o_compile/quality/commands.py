@@ -133,7 +133,8 @@ def cmd_tasks(args) -> int:
         raise ValueError(f"--policies {bad}; choose from {', '.join(p for p in POLICIES if p != 'full')} "
                          "(the full cache is always run unless --no-full)")
     for rule in args.rules:
-        TaskConfig("h2o", rule=rule)  # a bad rule (or one with recent=) fails before the model loads
+        # A bad rule (or one with recent=, or global= without --compress-sliding) fails before the model loads.
+        H2OConfig(**TaskConfig("h2o", rule=rule, compress_sliding=args.compress_sliding).optimize_kwargs())
     for kv_dtype in args.kv_dtypes:
         check_kv_dtype(kv_dtype)
     part = parse_part(args.part, args.samples)

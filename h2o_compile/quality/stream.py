@@ -199,6 +199,9 @@ def stream_rule_options(rule: str) -> dict:
     if options.get("prompt_window") is not None or options.get("prompt_pool", 1) != 1:
         raise ValueError(f"score rule {rule!r}: a stream is fed in chunks and has no prompt for a prompt window or "
                          "pooling (window=, pool=, snapkv) to act on; use sum, mean, tova or decay=G, joined by '+'")
+    if "global_share" in options:
+        raise ValueError(f"score rule {rule!r}: global= splits slots between compressed sliding-window and "
+                         "full-attention layers; a stream's sliding-window layers keep their window")
     if "recent_ratio" in options:
         raise ValueError(f"score rule {rule!r}: give the recent window's share once, as --recent-ratio "
                          "(recent_ratio=), not as recent= in the rule")

@@ -77,6 +77,8 @@ def test_a_stream_takes_score_rules_and_refuses_prompt_rules():
         stream_perplexity(model, ids, capacity=24, chunk=8, rule="window=64+pool=9", progress=False)
     with pytest.raises(ValueError, match="not as recent= in the rule"):
         stream_perplexity(model, ids, capacity=24, chunk=8, rule="decay=0.9+recent=0.1", progress=False)
+    with pytest.raises(ValueError, match="a stream's sliding-window layers keep their window"):
+        stream_perplexity(model, ids, capacity=24, chunk=8, rule="global=2", progress=False)
 
 
 def test_the_age_summary_reads_the_heavy_hitters_and_the_old_share_exactly():

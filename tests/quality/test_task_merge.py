@@ -90,3 +90,9 @@ def test_bad_kv_dtype_is_named(runs, model_dir, tmp_path, capsys):
     assert main(["tasks", "--model", str(model_dir), "--samples", "4", "--kv-dtypes", "int4", "--text",
                  str(runs["text"]), "--out", str(tmp_path)]) == 2
     assert "int4" in capsys.readouterr().err
+
+
+def test_a_global_share_rule_without_compressed_sliding_layers_is_named(runs, model_dir, tmp_path, capsys):
+    assert main(["tasks", "--model", str(model_dir), "--samples", "4", "--rules", "global=2", "--text",
+                 str(runs["text"]), "--out", str(tmp_path)]) == 2
+    assert "set compress_sliding=True" in capsys.readouterr().err

@@ -79,6 +79,7 @@ def test_bad_task_arguments_are_named(tiny, filler):
     ("mean+window=32+pool=3", {"score": "mean", "prompt_window": 32, "prompt_pool": 3}),
     ("decay=0.99", {"score_decay": 0.99}),
     ("window=64+pool=9+recent=0.1", {"prompt_window": 64, "prompt_pool": 9, "recent_ratio": 0.1}),
+    ("global=2+decay=0.99", {"global_share": 2.0, "score_decay": 0.99}),
 ])
 def test_rule_options(text, want):
     assert parse_rule_option(text) == want
