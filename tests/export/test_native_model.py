@@ -26,6 +26,8 @@ CASES = {  # name -> (architecture, export op, settings)
     "llama_h2o": ("llama", "function", {"budget": 6, "sink_tokens": 1, "policy": "h2o"}),
     "gemma3_window_cache": ("gemma3", "native", {"budget": 8, "sink_tokens": 1, "policy": "h2o", "prefill": 4}),
     "gemma2_compressed": ("gemma2", "native", {"budget": 8, "policy": "h2o", "compress_sliding": True}),
+    "gemma2_global_share": ("gemma2", "native", {"budget": 8, "policy": "h2o", "compress_sliding": True,
+                                                 "global_share": 1.5}),
     "llama_rolling_mean": ("llama", "native", {"budget": 6, "sink_tokens": 1, "score": "mean",
                                                "positions": "rolling"}),
     "gemma3_capped_chunked": ("gemma3", "native", {"budget": 8, "policy": "h2o", "compress_sliding": True,
