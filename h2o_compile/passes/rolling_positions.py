@@ -223,18 +223,29 @@ def _copy_from(graph: torch.fx.Graph, outputs: list[Node], source: Node, replace
     """Copy the nodes between ``source`` and ``outputs`` (their ancestors that depend on ``source``) at the
     insertion point, reading ``replacement`` instead; returns the map old node -> copy (other inputs are
     shared, e.g. the inverse frequencies)."""
-    depends = {source}
-    for node in graph.nodes:  # graph order is a topological order
-        if any(i in depends for i in node.all_input_nodes):
-            depends.add(node)
-    needed, stack = set(), list(outputs)
-    while stack:
-        node = stack.pop()
-        if node not in needed and node is not source and node in depends:
-            needed.add(node)
-            stack.extend(node.all_input_nodes)
+    needed = (ancestors(outputs) & descendants(graph, source)) - {source}
     env = {source: replacement}
     for node in [n for n in graph.nodes if n in needed]:
         env[node] = graph.node_copy(node, lambda n: env.get(n, n))
         env[node].meta = {}  # the traced shapes say T positions; the copy computes S
     return env
+
+
+def ancestors(nodes: list[Node]) -> set[Node]:
+    """``nodes`` and every node they read, directly or not."""
+    seen, stack = set(), list(nodes)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def descendants(graph: torch.fx.Graph, root: Node) -> set[Node]:
+    """``root`` and every node of ``graph`` that reads it, directly or not."""
+    found = {root}
+    for node in graph.nodes:  # graph order is a topological order
+        if any(i in found for i in node.all_input_nodes):
+            found.add(node)
+    return found

@@ -20,7 +20,7 @@ from torch.fx import GraphModule, Node
 
 from .attention_sites import _is_call
 from .h2o_attention import copy_graph_module
-from .rolling_positions import _OP_ARGS, _h2o_ops
+from .rolling_positions import _OP_ARGS, _h2o_ops, ancestors, descendants
 
 aten = torch.ops.aten
 _MODULE = "rotary_tables"
@@ -63,25 +63,30 @@ def cache_rotary_tables(gm: GraphModule) -> GraphModule:
     """A copy of ``gm`` (sharing its weights) whose rotary tables come from a :class:`RotaryTables` module, or
     ``gm`` itself when its h2o ops take no tables (true positions) or the tables do not come from one
     ``arange`` (then there is nothing this pass knows how to hold)."""
-    ops = [op for op in _h2o_ops(gm) if len(op.args) > _OP_ARGS]
-    if not ops:
+    if not _ops_with_tables(gm):
         return gm
     copy = copy_graph_module(gm)
-    return copy if _hoist_tables(copy) else gm
+    return copy if _hoist_tables(copy, _ops_with_tables(copy)) else gm
 
 
-def _hoist_tables(gm: GraphModule) -> bool:
+def _ops_with_tables(gm: GraphModule) -> list[Node]:
+    return [op for op in _h2o_ops(gm) if len(op.args) > _OP_ARGS]
+
+
+def _hoist_tables(gm: GraphModule, ops: list[Node]) -> bool:
+    """Move the subgraph from the one ``arange`` to ``ops``' table arguments into a :class:`RotaryTables`
+    module of ``gm``, in place; False (``gm`` untouched) when the tables are not that shape of subgraph."""
     graph = gm.graph
-    ops = [op for op in _h2o_ops(gm) if len(op.args) > _OP_ARGS]
-    ancestors = _ancestors([a for op in ops for a in op.args[_OP_ARGS:] if isinstance(a, Node)])
-    ramps = [n for n in ancestors if _is_call(n, aten.arange.default)]
+    feeding = ancestors([a for op in ops for a in op.args[_OP_ARGS:] if isinstance(a, Node)])
+    ramps = [n for n in feeding if _is_call(n, aten.arange.default)]
     if len(ramps) != 1:
         return False
-    inside = _descendants(graph, ramps[0]) & ancestors                       # the tables' own computation
+    inside = descendants(graph, ramps[0]) & feeding                          # the tables' own computation
     order = [n for n in graph.nodes if n in inside]
     inputs = list(dict.fromkeys(i for n in order for i in n.all_input_nodes if i not in inside))
     outputs = [n for n in order if any(u not in inside for u in n.users)]
-    index = {n: i for i, n in enumerate(graph.nodes)}
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
     use_at = min(index[u] for n in outputs for u in n.users if u not in inside)
     if any(index[i] >= use_at for i in inputs):  # an input computed after the first use: leave the graph as is
         return False
@@ -93,8 +98,7 @@ def _hoist_tables(gm: GraphModule) -> bool:
     sub.output(tuple(env[n] for n in outputs))
     gm.add_submodule(_MODULE, RotaryTables(GraphModule(gm, sub)))
 
-    user = next(n for n in graph.nodes if index[n] == use_at)
-    with graph.inserting_before(user):
+    with graph.inserting_before(nodes[use_at]):
         call = graph.call_module(_MODULE, tuple(inputs))
         for k, node in enumerate(outputs):
             node.replace_all_uses_with(graph.call_function(operator.getitem, (call, k)),
@@ -105,20 +109,3 @@ def _hoist_tables(gm: GraphModule) -> bool:
     gm.recompile()
     return True
 
-
-def _ancestors(nodes: list[Node]) -> set[Node]:
-    seen, stack = set(), list(nodes)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return seen
-
-
-def _descendants(graph: torch.fx.Graph, root: Node) -> set[Node]:
-    found = {root}
-    for node in graph.nodes:  # graph order is a topological order
-        if any(i in found for i in node.all_input_nodes):
-            found.add(node)
-    return found
