@@ -78,7 +78,7 @@ class CachePlan:
         if max_seq_len is not None:
             cls.check_lengths(config, limits, max_seq_len, rolling_block)
             capacity = config.capacity(max_seq_len)
-        shares = config.layer_shares([spec.window for spec in specs])
+        shares = config.layer_shares([spec.window for spec in specs], capacity, max_seq_len)
         layers = tuple(LayerPlan(spec, *config.layer_params(max_seq_len, spec.window, capacity, share))
                        for spec, share in zip(specs, shares))
         return cls(layers, capacity, max_seq_len)
@@ -97,7 +97,7 @@ class CachePlan:
                               context=f"max_seq_len={max_seq_len} with prefill={config.prefill!r}: ")
         elif rolling_block is not None:  # rolling: the last block of the sequence decides
             block = min(rolling_block, max_seq_len)
-            shares = config.layer_shares(limits.windows)
+            shares = config.layer_shares(limits.windows, config.capacity(max_seq_len), max_seq_len)
             slots = max(config.layer_params(max_seq_len, window, share=share)[0]
                         for window, share in zip(limits.windows, shares))
             check_rolling_fits(limits, slots, max_seq_len - block, block,

@@ -38,11 +38,14 @@ class H2OConfig:
             own cache does), and the budget applies to full-attention layers. True compresses them too:
             min(C, W) slots, keys that left the window evicted first, then the policy.
         global_share: with ``compress_sliding`` on a hybrid model, how the budget's slots are split between
-            the kinds of layer: a full-attention layer holds global_share x C slots and each sliding-window
-            layer (L - global_share x L_full) / L_sliding x C (at most its window), L layers of which L_full
-            full-attention ones, so together they hold the L x C slots of a uniform split. 1.0 = every layer C
-            (the paper). Gemma 3 270M, budget 0.2 of 1024 tokens: 2.0 brings perplexity from 1.13x to 1.06x
-            the full cache's at the same state size (docs/results/eval_gemma3, "Slots by kind of layer").
+            the kinds of layer at the same state size: a full-attention layer holds global_share x C slots (at
+            most the sequence) and the sliding-window layers share the rest of the uniform split's slots
+            equally (each at most its window). The uniform split holds C on every full-attention layer and
+            min(C, W) on every sliding one, so while C <= W a sliding layer gets (L - global_share x L_full) /
+            L_sliding x C (L layers, L_full of them full-attention); once C > W the sliding layers give up
+            part of their window. 1.0 = every layer C (the paper). Gemma 3 270M, budget 0.2 of 1024 tokens:
+            2.0 brings perplexity from 1.15x to 1.04x the full cache's with the recommended rule
+            (docs/results/eval_gemma3, "Slots by kind of layer").
         positions: ``"true"`` rotates keys at their text positions (the model's own behaviour);
             ``"rolling"`` caches keys before RoPE and rotates them by their rank in the cache at attention
             time (StreamingLLM), so a stream can run past the model's max_position_embeddings with every
@@ -150,12 +153,16 @@ class H2OConfig:
             raise ValueError(f"global_share={share!r} with policy='full': every layer keeps every token, there "
                              "are no slots to move")
 
-    def layer_shares(self, windows: Sequence[int]) -> list[float]:
+    def layer_shares(self, windows: Sequence[int], capacity: Optional[int] = None,
+                     total_len: Optional[int] = None) -> list[float]:
         """Each layer's slots as a multiple of C (``global_share``), given every layer's sliding window
-        (0 = full attention); all 1.0 by default. ValueError when the model lacks one kind of layer or the
-        full-attention layers would take every slot."""
-        windows = list(windows)
-        if self.global_share == 1.0:
+        (0 = full attention); all 1.0 by default. With ``capacity`` C (and ``total_len``, None for a stream)
+        the shares of that plan, which holds the uniform split's slots: C per full-attention layer plus
+        min(C, W) per sliding one. Without it, the shares while C <= every window, which any length's plan
+        is checked against first. ValueError when the model lacks one kind of layer or the full-attention
+        layers would take every slot."""
+        windows, share = list(windows), float(self.global_share)
+        if share == 1.0:
             return [1.0] * len(windows)
         full = sum(1 for w in windows if w <= 0)
         sliding = len(windows) - full
@@ -163,11 +170,23 @@ class H2OConfig:
             raise ValueError(f"global_share={self.global_share!r} moves slots between full-attention and "
                              f"sliding-window layers; this model has {full} full-attention and {sliding} "
                              "sliding-window layers (use global_share=1.0)")
-        rest = (len(windows) - self.global_share * full) / sliding
+        rest = (len(windows) - share * full) / sliding
         if rest <= 0:
             raise ValueError(f"global_share={self.global_share!r}: {full} full-attention layers of "
                              f"{len(windows)} would hold every slot; allowed: below {len(windows) / full:g}")
-        return [rest if w > 0 else float(self.global_share) for w in windows]
+        if capacity is not None:
+            full_slots = max(1, round(share * capacity))
+            full_slots = full_slots if total_len is None else min(full_slots, total_len)
+            uniform = full * capacity + sum(min(capacity, w) for w in windows if w > 0)
+            left = uniform - full * full_slots
+            if left < sliding:
+                length = "a stream" if total_len is None else f"{total_len} tokens"
+                raise ValueError(f"global_share={self.global_share!r} at C={capacity} slots ({length}): the "
+                                 f"{full} full-attention layers' {full_slots} slots each leave {left} of the "
+                                 f"uniform split's {uniform} for {sliding} sliding-window layers; allowed here: "
+                                 f"below {(math.floor((uniform - sliding) / full) + 0.5) / capacity:.4g}")
+            rest = left / (sliding * capacity)  # layer_params rounds rest x C: the same slots to one per layer
+        return [rest if w > 0 else share for w in windows]
 
     @property
     def rule(self) -> EvictionRule:

@@ -93,6 +93,33 @@ def test_global_share_splits_the_same_slots_by_kind():
     assert config.layer_params(None, 0, capacity=100, share=2.0)[:2] == (200, 100)  # a stream of C = 100
 
 
+@pytest.mark.parametrize("total_len, budget, share, full_slots, sliding_slots", [
+    (1024, 0.2, 2.0, 410, 164),    # C = 205 <= W: (18 - 6) / 15 x C
+    (1024, 0.2, 2.5, 512, 144),    # round(512.5) = 512 leave 3690 - 1536 = 2154 = 15 x 143.6
+    (4106, 0.2, 2.0, 1644, 348),   # C = 822 > W: uniform 3 x 822 + 15 x 512 = 10146, 5214 left = 15 x 347.6
+    (4106, 0.5, 2.0, 4106, 101),   # the full layers hold the sequence (capped), 13839 - 12318 = 15 x 101.4
+    (None, 600, 2.0, 1200, 392),   # a stream of C = 600: uniform 3 x 600 + 15 x 512 = 9480, 5880 left
+])
+def test_global_share_keeps_the_uniform_splits_slots(total_len, budget, share, full_slots, sliding_slots):
+    config = H2OConfig(budget=budget, compress_sliding=True, global_share=share)
+    capacity = budget if total_len is None else config.capacity(total_len)
+    shares = config.layer_shares(GEMMA3_WINDOWS, capacity, total_len)
+    slots = [config.layer_params(total_len, w, capacity, share=s)[0] for w, s in zip(GEMMA3_WINDOWS, shares)]
+    assert slots == ([sliding_slots] * 5 + [full_slots]) * 3
+    uniform = 3 * capacity + 15 * min(capacity, 512)
+    assert abs(sum(slots) - uniform) <= 15 / 2  # rounding: at most half a slot per sliding layer
+
+
+def test_global_share_past_the_window_leaves_every_sliding_layer_a_slot():
+    config = H2OConfig(budget=0.2, compress_sliding=True, global_share=4.1)
+    assert config.layer_shares(GEMMA3_WINDOWS, 822, 4106)[0] * 822 == pytest.approx(2.4)  # (10146 - 3 x 3370) / 15
+    config = H2OConfig(budget=0.2, compress_sliding=True, global_share=4.11)
+    with pytest.raises(ValueError, match=r"global_share=4.11 at C=822 slots \(4106 tokens\): the 3 full-attention "
+                                         r"layers' 3378 slots each leave 12 of the uniform split's 10146 for 15 "
+                                         r"sliding-window layers; allowed here: below 4.109"):
+        config.layer_shares(GEMMA3_WINDOWS, 822, 4106)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(global_share=2.0), "needs both compressed: set compress_sliding=True"),
     (dict(global_share=0.0, compress_sliding=True), r"global_share=0.0 must be a number > 0"),

@@ -86,23 +86,26 @@ def test_evicting_budget_equals_simulation(name, compress):
     assert opt.kept_positions(1).shape[-1] == budget
 
 
+@pytest.mark.parametrize("budget, share, full_slots, sliding_slots", [
+    (10, 1.6, (16, 8), (7, 4)),     # C <= W: 16 on the full layer, (3 - 1.6) / 2 x 10 = 7 on each sliding one
+    (20, 1.5, (30, 15), (11, 6)),   # C > W = 16: the uniform split holds 20 + 2 x 16; 30 leave 11 each
+], ids=["within-window", "past-window"])
 @pytest.mark.parametrize("name", NAMES)
-def test_global_share_moves_slots_and_equals_simulation(name):
-    """global_share=1.6 of budget 10 over 1 full-attention and 2 sliding layers: 16 slots on the full one,
-    (3 - 1.6) / 2 x 10 = 7 on each sliding one (DESIGN: the same 30 slots as a uniform split)."""
+def test_global_share_moves_slots_and_equals_simulation(name, budget, share, full_slots, sliding_slots):
+    """global_share over 1 full-attention and 2 sliding layers holds the uniform split's slots (C on the full
+    layer, min(C, W) on each sliding one), moved to the full layer; (slots, recent) per kind, recent 0.5."""
     model = build(name, seed=1)
-    opt = h2o_compile.optimize(model, budget=10, sink_tokens=1, compile=False, compress_sliding=True,
-                               global_share=1.6)
+    opt = h2o_compile.optimize(model, budget=budget, sink_tokens=1, compile=False, compress_sliding=True,
+                               global_share=share)
     ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
     blocks = [20] + [1] * (LENGTH - 20)
 
     def layer_args(layer, window):
-        if window is None:
-            return dict(capacity=16, recent=8, sinks=1)
-        return dict(capacity=7, recent=4, sinks=1)  # round(3.5) = 4
+        slots, recent = full_slots if window is None else sliding_slots
+        return dict(capacity=slots, recent=recent, sinks=1)
 
     ours = _run_blocks(opt, ids, blocks)
-    assert opt.layer_capacities == [7, 16, 7]
+    assert opt.layer_capacities == [sliding_slots[0], full_slots[0], sliding_slots[0]]
     want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
                            layer_args=layer_args)
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
