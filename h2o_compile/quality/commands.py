@@ -66,8 +66,8 @@ def cmd_stream(args) -> int:
         bad = [v for v in values if v not in allowed]
         if bad or not values:
             raise ValueError(f"{name} {bad or values}: choose from {', '.join(allowed)}")
-    for rule in args.rules:
-        stream_rule_options(rule)  # a bad rule fails before the model loads
+    for rule in args.rules:  # a bad rule fails before the model loads
+        H2OConfig(compress_sliding=args.compress_sliding, **stream_rule_options(rule, args.compress_sliding))
     H2OConfig(recent_ratio=args.recent_ratio)  # H2OConfig's own check, before the model loads
     if args.max_distance is not None:
         if "capped" not in args.positions:
@@ -94,7 +94,7 @@ def cmd_stream(args) -> int:
     runs = stream_runs(model, ids, capacity=args.budget_slots, chunk=args.chunk, policies=args.policy,
                        positions=args.positions, sink_tokens=args.sink_tokens, window_tokens=args.window_tokens,
                        rules=args.rules, recent_ratio=args.recent_ratio, on_run=write,
-                       max_distance=args.max_distance)
+                       max_distance=args.max_distance, compress_sliding=args.compress_sliding)
     paths = write(runs)
     print_report(paths)
     return 0
@@ -253,9 +253,13 @@ def add_quality_parsers(sub) -> None:
     st.add_argument("--sink-tokens", type=int, default=None, help="default: 0 for h2o, 4 for sink")
     st.add_argument("--window-tokens", type=int, default=4096, help="scored tokens per reported window")
     st.add_argument("--rules", type=csv_of(str), default=["sum"],
-                    help="h2o score rules, one run each: sum, mean, tova, decay=G, joined by '+' (sum); no prompt "
-                         "rules (window=, pool=, snapkv): a stream has no prompt")
+                    help="h2o score rules, one run each: sum, mean, tova, decay=G, global=S (with "
+                         "--compress-sliding), joined by '+' (sum); no prompt rules (window=, pool=, snapkv): a "
+                         "stream has no prompt")
     st.add_argument("--recent-ratio", type=float, default=0.5, help="share of the cache for recent tokens (0.5)")
+    st.add_argument("--compress-sliding", action="store_true",
+                    help="sliding-window layers under the policy too, min(C, W) slots (default: they keep their "
+                         "window); needed by rules with global=S")
     st.add_argument("--out", default="docs/results/stream")
     st.set_defaults(func=cmd_stream)
 

@@ -61,13 +61,15 @@ class StreamRun:
     age_edges: list[int] = field(default_factory=list)
     age_counts: list[int] = field(default_factory=list)
     max_distance: int = 0      # the cap of positions="capped" (resolved: the model's default included)
+    compress_sliding: bool = False  # sliding-window layers under the policy too (min(C, W) slots)
 
     @property
     def label(self) -> str:
         rule = f" [{self.rule}]" if self.policy == "h2o" and self.rule != "sum" else ""
         recent = f" recent {self.recent_ratio:g}" if self.recent_ratio != 0.5 else ""
         scheme = f"distances capped at {self.max_distance:,}" if self.max_distance else f"{self.positions} positions"
-        return f"{self.policy}{rule}{recent} ({scheme})"
+        sliding = ", sliding layers compressed" if self.compress_sliding else ""
+        return f"{self.policy}{rule}{recent} ({scheme}{sliding})"
 
     def summary(self) -> dict:
         """The figures the targets speak of: last window vs the first full one (the first window that starts
@@ -127,33 +129,36 @@ def _check(tokens: int, capacity: int, chunk: int, window_tokens: int, policy: s
 def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: int = 64, policy: str = "h2o",
                       positions: str = "rolling", sink_tokens: Optional[int] = None, window_tokens: int = 4096,
                       rule: str = "sum", recent_ratio: float = 0.5, progress: bool = True,
-                      desc: Optional[str] = None, max_distance: Optional[int] = None) -> StreamRun:
+                      desc: Optional[str] = None, max_distance: Optional[int] = None,
+                      compress_sliding: bool = False) -> StreamRun:
     """Feed ``token_ids`` [N] as one stream through ``capacity`` slots; perplexity per window of the stream.
 
     Args:
         model: a transformers causal LM (optimize() is applied here, eager).
         capacity: C slots per layer and KV head (sliding-window layers: their window, as H2OConfig says).
         chunk: tokens per step (memory stays at C + chunk).
-        policy, positions, sink_tokens, recent_ratio, max_distance: as H2OConfig (sink_tokens None = the
-            policy's default; max_distance only with positions "capped", None = the model's default).
+        policy, positions, sink_tokens, recent_ratio, max_distance, compress_sliding: as H2OConfig
+            (sink_tokens None = the policy's default; max_distance only with positions "capped", None = the
+            model's default).
         window_tokens: scored tokens per reported window.
         rule: the score rule of policy h2o, by the names of ``tasks --rules`` ("sum", "mean", "tova",
-            "decay=0.99", ...); ignored by the other policies. A prompt window or pooling has no prompt to act
-            on in a chunked stream and is refused.
+            "decay=0.99", "global=2+decay=0.99" with compress_sliding, ...); ignored by the other policies. A
+            prompt window or pooling has no prompt to act on in a chunked stream and is refused.
     Returns:
         a StreamRun; windows cover positions 1..N-1 (position 0 has nothing to be predicted from).
     """
     tokens = int(token_ids.numel())
     _check(tokens, capacity, chunk, window_tokens, policy, positions)
-    options = stream_rule_options(rule) if policy == "h2o" else {}
+    options = stream_rule_options(rule, compress_sliding) if policy == "h2o" else {}
     opt = optimize(model, budget=capacity, policy=policy, positions=positions, prefill=chunk,
                    sink_tokens=sink_tokens, recent_ratio=recent_ratio, compile=False, max_distance=max_distance,
-                   **options)
+                   compress_sliding=compress_sliding, **options)
     opt.reset(1, capacity=capacity)
     ids = token_ids.reshape(1, -1).long()
     run = StreamRun(policy, positions, capacity, chunk, opt.h2o_config.sink_tokens, tokens, opt.kv_cache_bytes(),
                     float("nan"), rule=rule if policy == "h2o" else "-",
-                    recent_ratio=recent_ratio, max_distance=opt.h2o_config.position_cap(opt.limits.max_positions))
+                    recent_ratio=recent_ratio, max_distance=opt.h2o_config.position_cap(opt.limits.max_positions),
+                    compress_sliding=compress_sliding)
     total_nll, window_nll, window_count, window_start = 0.0, 0.0, 0, 1
     start_time = window_time = time.perf_counter()
     bar = tqdm(total=tokens, unit="tok", desc=desc or f"{policy}/{positions}", disable=not progress,
@@ -191,7 +196,7 @@ def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: i
     return run
 
 
-def stream_rule_options(rule: str) -> dict:
+def stream_rule_options(rule: str, compress_sliding: bool = False) -> dict:
     """H2OConfig keywords of an h2o score rule for a stream; a ValueError for rules a stream cannot honour."""
     from .task_eval import parse_rule_option
 
@@ -199,9 +204,10 @@ def stream_rule_options(rule: str) -> dict:
     if options.get("prompt_window") is not None or options.get("prompt_pool", 1) != 1:
         raise ValueError(f"score rule {rule!r}: a stream is fed in chunks and has no prompt for a prompt window or "
                          "pooling (window=, pool=, snapkv) to act on; use sum, mean, tova or decay=G, joined by '+'")
-    if "global_share" in options:
+    if "global_share" in options and not compress_sliding:
         raise ValueError(f"score rule {rule!r}: global= splits slots between compressed sliding-window and "
-                         "full-attention layers; a stream's sliding-window layers keep their window")
+                         "full-attention layers; without compress_sliding (--compress-sliding) a stream's "
+                         "sliding-window layers keep their window")
     if "recent_ratio" in options:
         raise ValueError(f"score rule {rule!r}: give the recent window's share once, as --recent-ratio "
                          "(recent_ratio=), not as recent= in the rule")
@@ -211,11 +217,12 @@ def stream_rule_options(rule: str) -> dict:
 def stream_runs(model, token_ids: torch.Tensor, *, capacity: int, chunk: int, policies: Sequence[str],
                 positions: Sequence[str], sink_tokens: Optional[int] = None, window_tokens: int = 4096,
                 rules: Sequence[str] = ("sum",), recent_ratio: float = 0.5, progress: bool = True,
-                on_run=None, max_distance: Optional[int] = None) -> list[StreamRun]:
+                on_run=None, max_distance: Optional[int] = None,
+                compress_sliding: bool = False) -> list[StreamRun]:
     """Every (policy [x rule for h2o], positions) over the same stream; ``on_run(runs so far)`` after each.
     ``max_distance`` applies to the "capped" scheme."""
     for rule in rules:
-        stream_rule_options(rule)  # every rule checked before the first long run
+        stream_rule_options(rule, compress_sliding)  # every rule checked before the first long run
     if max_distance is not None and "capped" not in positions:
         raise ValueError(f"max_distance={max_distance} caps positions 'capped', which is not among "
                          f"{', '.join(positions)}")
@@ -229,7 +236,8 @@ def stream_runs(model, token_ids: torch.Tensor, *, capacity: int, chunk: int, po
                                               positions=scheme, sink_tokens=sink_tokens,
                                               window_tokens=window_tokens, rule=rule, recent_ratio=recent_ratio,
                                               progress=progress,
-                                              max_distance=max_distance if scheme == "capped" else None))
+                                              max_distance=max_distance if scheme == "capped" else None,
+                                              compress_sliding=compress_sliding))
                 if on_run is not None:
                     on_run(runs)
     return runs

@@ -87,7 +87,7 @@ def write_stream_report(runs: Sequence[StreamRun], out_dir, *, model_name: str, 
         "end of each window. Rolling positions number the cached keys 0..n-1 by age at every step; capped "
         "distances rotate each at its true distance to the newest token, up to the cap; true positions "
         "rotate them at their place in the stream.\n\n"
-        f"{table}\n\n![perplexity and memory along the stream]({paths['plot'].name})\n\n"
+        f"{_sliding_note(runs)}{table}\n\n![perplexity and memory along the stream]({paths['plot'].name})\n\n"
         "Age of the keys the full-attention layers hold at the stream's end (age = the newest position - the "
         "key's position; every layer, KV head and slot together; sliding-window layers are left out, their window "
         "decides what they hold). The median is taken over the keys older than the recent window R (h2o: the heavy "
@@ -149,3 +149,12 @@ def _plot_ages(path: Path, runs: Sequence[StreamRun], model_name: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
+
+
+def _sliding_note(runs) -> str:
+    if not any(run.compress_sliding for run in runs):
+        return ""
+    return ("Runs with \"sliding layers compressed\" hold min(C, W) slots on a sliding-window layer of window W, "
+            "under the policy; a rule with global=S gives each full-attention layer S x C slots and the "
+            "sliding-window layers the rest of the same total (H2OConfig.global_share; KV MiB is the state "
+            "held).\n\n")

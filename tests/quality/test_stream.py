@@ -77,8 +77,25 @@ def test_a_stream_takes_score_rules_and_refuses_prompt_rules():
         stream_perplexity(model, ids, capacity=24, chunk=8, rule="window=64+pool=9", progress=False)
     with pytest.raises(ValueError, match="not as recent= in the rule"):
         stream_perplexity(model, ids, capacity=24, chunk=8, rule="decay=0.9+recent=0.1", progress=False)
-    with pytest.raises(ValueError, match="a stream's sliding-window layers keep their window"):
+    with pytest.raises(ValueError, match="without compress_sliding .* sliding-window layers keep their window"):
         stream_perplexity(model, ids, capacity=24, chunk=8, rule="global=2", progress=False)
+
+
+def test_a_stream_moves_slots_to_the_full_attention_layers_at_the_same_state():
+    """gemma3 (2 sliding layers of W = 16, 1 full-attention one), C = 24 > W: the uniform split holds
+    24 + 2 x 16 = 56 slots; global=1.5 puts 36 on the full layer and 10 on each sliding one: the same state
+    bytes (the layers' slot sizes are equal), another perplexity."""
+    model = build("gemma3", seed=4)
+    ids = torch.randint(1, VOCAB, (160,), generator=torch.Generator().manual_seed(5))
+    runs = {rule: stream_perplexity(model, ids, capacity=24, chunk=8, positions="rolling", rule=rule,
+                                    window_tokens=80, progress=False, compress_sliding=True)
+            for rule in ("sum", "global=1.5")}
+    assert runs["global=1.5"].kv_bytes == runs["sum"].kv_bytes
+    assert runs["global=1.5"].perplexity != pytest.approx(runs["sum"].perplexity, rel=1e-4)
+    assert runs["global=1.5"].label == "h2o [global=1.5] (rolling positions, sliding layers compressed)"
+    plain = stream_perplexity(model, ids, capacity=24, chunk=8, positions="rolling", window_tokens=80,
+                              progress=False)
+    assert plain.kv_bytes == runs["sum"].kv_bytes and not plain.compress_sliding
 
 
 def test_the_age_summary_reads_the_heavy_hitters_and_the_old_share_exactly():
@@ -136,6 +153,12 @@ def test_stream_cli_writes_json_markdown_and_plot(tmp_path, text, capsys):
     assert main(["stream", "--model", "tiny", "--text", str(text), "--tokens", "100", "--budget-slots", "64",
                  "--rules", "sum,snapkv", "--out", str(tmp_path / "never")]) == 2
     assert "score rule 'snapkv'" in capsys.readouterr().err
+    assert main(["stream", "--model", "tiny", "--text", str(text), "--tokens", "100", "--budget-slots", "64",
+                 "--rules", "global=2", "--out", str(tmp_path / "never")]) == 2
+    assert "without compress_sliding (--compress-sliding)" in capsys.readouterr().err
+    assert main(["stream", "--model", "tiny", "--text", str(text), "--tokens", "100", "--budget-slots", "64",
+                 "--rules", "global=2", "--compress-sliding", "--out", str(tmp_path / "never")]) == 2
+    assert "this model has 6 full-attention and 0 sliding-window layers" in capsys.readouterr().err
 
 
 def test_stream_cli_runs_each_rule_and_reports_ages(tmp_path, text):
