@@ -144,7 +144,10 @@ class H2OConfig:
     def _check_global_share(self) -> None:
         share = self.global_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share < math.inf:
-            raise ValueError(f"global_share={share!r} must be a number > 0 (1 = every layer the same slots)")
+            raise ValueError(f"global_share={share!r} must be a number >= 1 (1 = every layer the same slots)")
+        if share < 1.0:
+            raise ValueError(f"global_share={share!r} would move slots to the sliding-window layers, which never "
+                             "hold more than their window; allowed: >= 1 (1 = every layer the same slots)")
         if share != 1.0 and not self.compress_sliding:
             raise ValueError(f"global_share={share!r} moves slots between full-attention and sliding-window "
                              "layers, which needs both compressed: set compress_sliding=True (sliding-window "
@@ -175,18 +178,28 @@ class H2OConfig:
             raise ValueError(f"global_share={self.global_share!r}: {full} full-attention layers of "
                              f"{len(windows)} would hold every slot; allowed: below {len(windows) / full:g}")
         if capacity is not None:
-            full_slots = max(1, round(share * capacity))
-            full_slots = full_slots if total_len is None else min(full_slots, total_len)
-            uniform = full * capacity + sum(min(capacity, w) for w in windows if w > 0)
-            left = uniform - full * full_slots
-            if left < sliding:
-                length = "a stream" if total_len is None else f"{total_len} tokens"
-                raise ValueError(f"global_share={self.global_share!r} at C={capacity} slots ({length}): the "
-                                 f"{full} full-attention layers' {full_slots} slots each leave {left} of the "
-                                 f"uniform split's {uniform} for {sliding} sliding-window layers; allowed here: "
-                                 f"below {(math.floor((uniform - sliding) / full) + 0.5) / capacity:.4g}")
-            rest = left / (sliding * capacity)  # layer_params rounds rest x C: the same slots to one per layer
+            rest = self._sliding_share(windows, capacity, total_len, full, sliding)
         return [rest if w > 0 else share for w in windows]
+
+    def _sliding_share(self, windows: list[int], capacity: int, total_len: Optional[int], full: int,
+                       sliding: int) -> float:
+        """A sliding-window layer's slots as a multiple of C: the uniform split's slots less the full layers'
+        global_share x C (at most the sequence), shared equally (rounded: within half a slot per layer)."""
+        share = float(self.global_share)
+        full_slots = max(1, round(share * capacity))
+        full_slots = full_slots if total_len is None else min(full_slots, total_len)
+        uniform = full * capacity + sum(min(capacity, w) for w in windows if w > 0)
+        left = uniform - full * full_slots
+        each = round(left / sliding)
+        if each < 1 or self.sink_tokens + self.recent_window(each) > each:
+            least = next(n for n in range(1, capacity + 2) if self.sink_tokens + self.recent_window(n) <= n)
+            length = "a stream" if total_len is None else f"{total_len} tokens"
+            raise ValueError(f"global_share={self.global_share!r} at C={capacity} slots ({length}): the {full} "
+                             f"full-attention layers' {full_slots} slots each leave {left} of the uniform split's "
+                             f"{uniform} for {sliding} sliding-window layers, {each} each, fewer than the {least} "
+                             f"that sink_tokens ({self.sink_tokens}) and a recent window need; global_share <= "
+                             f"{(uniform - sliding * least) // full / capacity:.4f} leaves them {least}")
+        return left / (sliding * capacity)  # layer_params rounds it x C back to ``each``
 
     @property
     def rule(self) -> EvictionRule:

@@ -110,21 +110,32 @@ def test_global_share_keeps_the_uniform_splits_slots(total_len, budget, share, f
     assert abs(sum(slots) - uniform) <= 15 / 2  # rounding: at most half a slot per sliding layer
 
 
-def test_global_share_past_the_window_leaves_every_sliding_layer_a_slot():
+def test_global_share_past_the_window_leaves_every_sliding_layer_its_sinks_and_a_recent_slot():
     config = H2OConfig(budget=0.2, compress_sliding=True, global_share=4.1)
     assert config.layer_shares(GEMMA3_WINDOWS, 822, 4106)[0] * 822 == pytest.approx(2.4)  # (10146 - 3 x 3370) / 15
-    config = H2OConfig(budget=0.2, compress_sliding=True, global_share=4.11)
-    with pytest.raises(ValueError, match=r"global_share=4.11 at C=822 slots \(4106 tokens\): the 3 full-attention "
-                                         r"layers' 3378 slots each leave 12 of the uniform split's 10146 for 15 "
-                                         r"sliding-window layers; allowed here: below 4.109"):
+    config = H2OConfig(budget=0.2, compress_sliding=True, global_share=4.12)
+    with pytest.raises(ValueError, match=r"global_share=4.12 at C=822 slots \(4106 tokens\): the 3 full-attention "
+                                         r"layers' 3387 slots each leave -15 of the uniform split's 10146 for 15 "
+                                         r"sliding-window layers, -1 each, fewer than the 1 that sink_tokens \(0\) "
+                                         r"and a recent window need; global_share <= 4.1083 leaves them 1"):
         config.layer_shares(GEMMA3_WINDOWS, 822, 4106)
+    # with sinks a sliding layer needs more: 4 sinks + a recent window of round(0.5 x 8) = 4 (7: 4 + 4 > 7);
+    # 4.09 x 822 -> 3362 slots leave (10146 - 10086) / 15 = 4 each; 3342 = (10146 - 15 x 8) / 3 leave 8
+    config = H2OConfig(budget=0.2, compress_sliding=True, global_share=4.09, sink_tokens=4)
+    with pytest.raises(ValueError, match=r"leave 60 of the uniform split's 10146 for 15 sliding-window layers, 4 "
+                                         r"each, fewer than the 8 that sink_tokens \(4\) and a recent window need; "
+                                         r"global_share <= 4.0657 leaves them 8"):
+        config.layer_shares(GEMMA3_WINDOWS, 822, 4106)
+    safe = H2OConfig(budget=0.2, compress_sliding=True, global_share=4.0657, sink_tokens=4)
+    assert safe.layer_shares(GEMMA3_WINDOWS, 822, 4106)[0] * 822 == pytest.approx(8.0)
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(global_share=2.0), "needs both compressed: set compress_sliding=True"),
-    (dict(global_share=0.0, compress_sliding=True), r"global_share=0.0 must be a number > 0"),
-    (dict(global_share=True, compress_sliding=True), "global_share=True must be a number > 0"),
-    (dict(global_share=math.inf, compress_sliding=True), "must be a number > 0"),
+    (dict(global_share=0.0, compress_sliding=True), r"global_share=0.0 must be a number >= 1"),
+    (dict(global_share=True, compress_sliding=True), "global_share=True must be a number >= 1"),
+    (dict(global_share=math.inf, compress_sliding=True), "must be a number >= 1"),
+    (dict(global_share=0.5, compress_sliding=True), "which never hold more than their window; allowed: >= 1"),
     (dict(global_share=2.0, compress_sliding=True, policy="full"), "there are no slots to move"),
 ])
 def test_bad_global_share(kwargs, match):
