@@ -108,7 +108,8 @@ def run_tasks(model, tokenizer, samples: Sequence[TaskSample], configs: Sequence
         samples: from quality.tasks.make_samples; configs: the caches to compare.
         on_config: called with the run so far after each configuration (an interrupted run keeps them).
     Returns:
-        a TaskRun whose rows hold task, length, depth, index, the configuration's fields, score and output.
+        a TaskRun whose rows hold task, length, depth, index, the configuration's fields, score, output and
+        kv_bytes (the cache state the answer was generated with: keys, values, scores, positions).
     """
     import h2o_compile
     from tqdm.auto import tqdm
@@ -124,7 +125,7 @@ def run_tasks(model, tokenizer, samples: Sequence[TaskSample], configs: Sequence
             text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             run.rows.append(dict(task=sample.task, length=sample.length, depth=round(sample.depth, 4),
                                  index=sample.index, **asdict(config), label=config.label,
-                                 score=sample.score(text), output=text))
+                                 score=sample.score(text), output=text, kv_bytes=opt.kv_cache_bytes()))
             bar.update(1)
         run.seconds = time.perf_counter() - start
         if on_config is not None:

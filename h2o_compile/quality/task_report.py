@@ -51,6 +51,22 @@ def _pct_n(run: TaskRun, task, length, label, budget, depth_band=None) -> str:
     return "-" if x is None else f"{_pct(x)} ({_count(run, task, length, label, budget, depth_band)})"
 
 
+def _state_mib(run: TaskRun, task, length, label, budget) -> str:
+    """The state one answer was generated with (MiB per sequence); '-' for rows from runs that predate it."""
+    sizes = {r["kv_bytes"] for r in run.rows if r["task"] == task and r["length"] == length and r["label"] == label
+             and (budget is None or r["budget"] == budget) and "kv_bytes" in r}
+    return "-" if not sizes else " / ".join(f"{b / 2**20:.2f}" for b in sorted(sizes))
+
+
+def _state_table(run: TaskRun, task, length, labels, full, budgets) -> list[str]:
+    if not any("kv_bytes" in r for r in run.rows):
+        return []
+    rows = [[label] + [_state_mib(run, task, length, label, None if label in full else b) for b in budgets]
+            for label in labels]
+    return ["Cache state per sequence (MiB: keys, values, scores, positions of every layer):", "",
+            markdown_table(["configuration"] + [f"budget {b}" for b in budgets], rows), ""]
+
+
 def write_task_report(run: TaskRun, out_dir, *, model_name: str, settings: dict, sources=()) -> dict:
     """Write tasks.json (every sample's output and score), tasks.md and the plots; returns kind -> Path.
     ``sources``: the runs a merged report came from (their folder, command and machine, listed in tasks.md)."""
@@ -86,6 +102,7 @@ def write_task_report(run: TaskRun, out_dir, *, model_name: str, settings: dict,
             rows = [[label] + [_pct_n(run, task, length, label, None if label in full else b)
                                for b in budgets] for label in labels]
             lines += [markdown_table(["configuration"] + [f"budget {b}" for b in budgets], rows), ""]
+            lines += _state_table(run, task, length, labels, full, budgets)
             if task == "passkey":
                 lines += [f"By depth of the key (accuracy per band of the filler), {length} tokens:", ""]
                 rows = []

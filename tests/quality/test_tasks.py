@@ -114,6 +114,14 @@ def test_runner_and_report_on_the_tiny_model(tiny, filler, tmp_path):
     assert "## passkey, 200 tokens" in report and "h2o [snapkv] @ 1.0" in report and "sink @ 0.2" in report
     assert paths["heatmap"].stat().st_size > 0 and paths["plot_passkey_200"].stat().st_size > 0
     assert len(json.loads(paths["json"].read_text())["rows"]) == 9
+    # the state each answer had: every layer and KV head, C slots of key + value (fp32) + score fp32 + position
+    # int64; C = 210 tokens (200 + 10 new) for the full cache and h2o at 1.0, ceil(0.2 x 210) = 42 for sink
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_slot = config.num_hidden_layers * config.num_key_value_heads * (2 * head_dim * 4 + 4 + 8)
+    assert {c.label: {r["kv_bytes"] for r in run.rows if r["label"] == c.label} for c in configs} == {
+        "full cache": {210 * per_slot}, "h2o [snapkv]": {210 * per_slot}, "sink": {42 * per_slot}}
+    assert f"| sink | {42 * per_slot / 2**20:.2f} | - |" in report  # budgets 0.2, 1.0
 
 
 def test_accuracy_by_depth_band():
