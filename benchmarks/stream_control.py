@@ -44,7 +44,8 @@ def main() -> None:
                                   policy=run["policy"], positions=run["positions"], sink_tokens=run["sink_tokens"],
                                   window_tokens=width, rule=run.get("rule", "sum"),
                                   recent_ratio=run.get("recent_ratio", 0.5), progress=False,
-                                  max_distance=run.get("max_distance") or None)
+                                  max_distance=run.get("max_distance") or None,
+                                  compress_sliding=run.get("compress_sliding", False))
         again = fresh.windows[-1]
         assert (again.start + begin, again.end + begin) == (last["start"], last["end"])
         ratio = last["perplexity"] / again.perplexity
