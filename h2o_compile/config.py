@@ -178,17 +178,15 @@ class H2OConfig:
             raise ValueError(f"global_share={self.global_share!r}: {full} full-attention layers of "
                              f"{len(windows)} would hold every slot; allowed: below {len(windows) / full:g}")
         if capacity is not None:
-            rest = self._sliding_share(windows, capacity, total_len, full, sliding)
+            rest = self._sliding_share(windows, capacity, total_len, full, sliding, share)
         return [rest if w > 0 else share for w in windows]
 
     def _sliding_share(self, windows: list[int], capacity: int, total_len: Optional[int], full: int,
-                       sliding: int) -> float:
+                       sliding: int, share: float) -> float:
         """A sliding-window layer's slots as a multiple of C: the uniform split's slots less the full layers'
         global_share x C (at most the sequence), shared equally (rounded: within half a slot per layer)."""
-        share = float(self.global_share)
-        full_slots = max(1, round(share * capacity))
-        full_slots = full_slots if total_len is None else min(full_slots, total_len)
-        uniform = full * capacity + sum(min(capacity, w) for w in windows if w > 0)
+        full_slots = self.layer_params(total_len, 0, capacity, share)[0]
+        uniform = sum(self.layer_params(total_len, w, capacity)[0] for w in windows)
         left = uniform - full * full_slots
         each = round(left / sliding)
         if each < 1 or self.sink_tokens + self.recent_window(each) > each:

@@ -39,10 +39,15 @@ def _pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def _count(run: TaskRun, task, length, label, budget, depth_band=None) -> int:
+def _rows(run: TaskRun, task, length, label, budget, depth_band=None) -> list[dict]:
+    """The rows of one configuration (``budget`` None: any budget) on one task and length (and depth band)."""
     lo, hi = depth_band if depth_band is not None else (float("-inf"), float("inf"))
-    return sum(1 for r in run.rows if r["task"] == task and r["length"] == length and r["label"] == label
-               and (budget is None or r["budget"] == budget) and lo <= r["depth"] < hi)
+    return [r for r in run.rows if r["task"] == task and r["length"] == length and r["label"] == label
+            and (budget is None or r["budget"] == budget) and lo <= r["depth"] < hi]
+
+
+def _count(run: TaskRun, task, length, label, budget, depth_band=None) -> int:
+    return len(_rows(run, task, length, label, budget, depth_band))
 
 
 def _pct_n(run: TaskRun, task, length, label, budget, depth_band=None) -> str:
@@ -53,8 +58,7 @@ def _pct_n(run: TaskRun, task, length, label, budget, depth_band=None) -> str:
 
 def _state_mib(run: TaskRun, task, length, label, budget) -> str:
     """The state one answer was generated with (MiB per sequence); '-' for rows from runs that predate it."""
-    sizes = {r["kv_bytes"] for r in run.rows if r["task"] == task and r["length"] == length and r["label"] == label
-             and (budget is None or r["budget"] == budget) and "kv_bytes" in r}
+    sizes = {r["kv_bytes"] for r in _rows(run, task, length, label, budget) if "kv_bytes" in r}
     return "-" if not sizes else " / ".join(f"{b / 2**20:.2f}" for b in sorted(sizes))
 
 
