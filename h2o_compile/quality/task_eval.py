@@ -89,12 +89,14 @@ class TaskRun:
     rows: list[dict] = field(default_factory=list)
     seconds: float = 0.0
 
-    def accuracy(self, depth_band: Optional[tuple[float, float]] = None, **match) -> Optional[float]:
-        """Mean score of the rows whose fields equal ``match`` and, with ``depth_band`` (lo, hi), whose depth
-        lies in [lo, hi); None when there are none."""
+    def matching(self, depth_band: Optional[tuple[float, float]] = None, **match) -> list[dict]:
+        """The rows whose fields equal ``match`` and, with ``depth_band`` (lo, hi), whose depth lies in [lo, hi)."""
         lo, hi = depth_band if depth_band is not None else (float("-inf"), float("inf"))
-        scores = [r["score"] for r in self.rows
-                  if lo <= r["depth"] < hi and all(r.get(k) == v for k, v in match.items())]
+        return [r for r in self.rows if lo <= r["depth"] < hi and all(r.get(k) == v for k, v in match.items())]
+
+    def accuracy(self, depth_band: Optional[tuple[float, float]] = None, **match) -> Optional[float]:
+        """Mean score of :meth:`matching`'s rows; None when there are none."""
+        scores = [r["score"] for r in self.matching(depth_band, **match)]
         return sum(scores) / len(scores) if scores else None
 
 

@@ -27,12 +27,17 @@ def _configs(run: TaskRun) -> list[tuple[str, object]]:
     return seen
 
 
-def _cell(run: TaskRun, task, length, label, budget, depth_band=None) -> Optional[float]:
-    """Accuracy of one configuration (``budget`` None: the full cache, any budget) on one task and length."""
+def _match(task, length, label, budget) -> dict:
+    """The row fields of one configuration on one task and length (``budget`` None: the full cache, any budget)."""
     match = dict(task=task, length=length, label=label)
     if budget is not None:
         match["budget"] = budget
-    return run.accuracy(depth_band=depth_band, **match)
+    return match
+
+
+def _cell(run: TaskRun, task, length, label, budget, depth_band=None) -> Optional[float]:
+    """Accuracy of one configuration (``budget`` None: the full cache, any budget) on one task and length."""
+    return run.accuracy(depth_band=depth_band, **_match(task, length, label, budget))
 
 
 def _pct(x: Optional[float]) -> str:
@@ -41,9 +46,7 @@ def _pct(x: Optional[float]) -> str:
 
 def _rows(run: TaskRun, task, length, label, budget, depth_band=None) -> list[dict]:
     """The rows of one configuration (``budget`` None: any budget) on one task and length (and depth band)."""
-    lo, hi = depth_band if depth_band is not None else (float("-inf"), float("inf"))
-    return [r for r in run.rows if r["task"] == task and r["length"] == length and r["label"] == label
-            and (budget is None or r["budget"] == budget) and lo <= r["depth"] < hi]
+    return run.matching(depth_band, **_match(task, length, label, budget))
 
 
 def _count(run: TaskRun, task, length, label, budget, depth_band=None) -> int:
