@@ -89,67 +89,69 @@ class Fixed:
         return self.rank(t, keys)
 
 
-class Accumulated:
-    """H2O's accumulated attention under a decay g: A = g A + P_t, P_t the full run's probabilities of query t
-    renormalised over the keys it saw (what the attention over the kept keys gives, up to the drift of the
-    hidden states); ``mean`` divides by the key's lifetime."""
+class Scored:
+    """A score per key from the full run's probabilities of each query, renormalised over the keys it saw (what
+    the attention over the kept keys gives, up to the drift of the hidden states), decayed by g per query:
 
-    def __init__(self, probs: torch.Tensor, decay: float = 1.0, mean: bool = False):
-        self.probs, self.decay, self.mean = probs, decay, mean
-        self.score = torch.zeros(probs.shape[1], dtype=torch.float64)
+        "sum"    A = g A + P_t (H2O's accumulated attention; ``mean`` divides it by the key's lifetime)
+        "max"    A = max(g A, P_t) (a key's decayed peak)
+        "count"  A = g A + [P_t > 1 / keys seen] (Scissorhands' persistence of importance)
+    """
 
-    def observe(self, t, keys):
-        row = self.probs[t, keys]
-        self.score *= self.decay
-        self.score[keys] += row / row.sum()
-
-    def priority(self, t, keys):
-        return self.score[keys] / (t - keys + 1) if self.mean else self.score[keys]
-
-
-class Peak:
-    """A key's largest renormalised probability from any one query, decayed by g per query (``max=G``), or
-    the decayed count of queries that gave it more than the uniform share 1 / (keys seen) (``count=G``,
-    Scissorhands' persistence of importance)."""
-
-    def __init__(self, probs: torch.Tensor, decay: float, count: bool):
-        self.probs, self.decay, self.count = probs, decay, count
+    def __init__(self, probs: torch.Tensor, decay: float = 1.0, update: str = "sum", mean: bool = False):
+        self.probs, self.decay, self.update, self.mean = probs, decay, update, mean
         self.score = torch.zeros(probs.shape[1], dtype=torch.float64)
 
     def observe(self, t, keys):
         row = self.probs[t, keys]
         row = row / row.sum()
         self.score *= self.decay
-        if self.count:
-            self.score[keys] += (row * len(keys) > 1).double()
-        else:
+        if self.update == "max":
             self.score[keys] = torch.maximum(self.score[keys], row)
+        else:
+            self.score[keys] += (row * len(keys) > 1).double() if self.update == "count" else row
 
     def priority(self, t, keys):
-        return self.score[keys]
+        return self.score[keys] / (t - keys + 1) if self.mean else self.score[keys]
+
+
+PROCESSES = "full, sink, local, oracle, lookahead=K, h2o, mean, decay=G, max=G, count=G"
+
+
+def parse_process(name: str) -> tuple[str, float]:
+    """``name`` -> (kind, its number: K of lookahead, G of a decay; 0 without one); a ValueError names a bad one."""
+    if name in ("full", "local", "sink", "oracle", "h2o", "mean"):
+        return name, 0.0
+    kind, _, value = name.partition("=")
+    if kind == "lookahead" and value.isdigit() and int(value) > 0:
+        return kind, int(value)
+    if kind in ("decay", "max", "count"):
+        try:
+            decay = float(value)
+        except ValueError:
+            decay = -1.0
+        if 0.0 <= decay <= 1.0:
+            return kind, decay
+    raise ValueError(f"process {name!r}; allowed: {PROCESSES} (K an int >= 1, G in [0, 1])")
 
 
 def make_process(name: str, probs: torch.Tensor, future_mass: torch.Tensor):
-    """Process ``name`` for one layer; ``probs`` [T, T] its full-cache attention (query heads summed),
-    ``future_mass`` [T + 1, T]: row t = the mass of queries >= t."""
-    if name == "local":
+    """Process ``name`` (not ``full``) for one layer; ``probs`` [T, T] its full-cache attention (query heads
+    summed), ``future_mass`` [T + 1, T]: row t = the mass of queries >= t."""
+    kind, value = parse_process(name)
+    if kind == "local":
         return Fixed(lambda t, keys: keys.double())
-    if name == "sink":
+    if kind == "sink":
         return Fixed(lambda t, keys: torch.where(keys < SINKS, math.inf, keys.double()))
-    if name == "oracle":
+    if kind == "oracle":
         return Fixed(lambda t, keys: future_mass[t + 1, keys])
-    if name.startswith("lookahead="):
-        ahead = int(name.partition("=")[2])
-        return Fixed(lambda t, keys: future_mass[t + 1, keys] - future_mass[min(t + 1 + ahead, len(probs)), keys])
-    if name in ("h2o", "mean"):
-        return Accumulated(probs, mean=name == "mean")
-    if name.startswith(("max=", "count=")):
-        kind, _, decay = name.partition("=")
-        return Peak(probs, float(decay), count=kind == "count")
-    if name.startswith("decay="):
-        return Accumulated(probs, decay=float(name.partition("=")[2]))
-    raise ValueError(f"process {name!r}; allowed: full, sink, local, oracle, lookahead=K, h2o, mean, decay=G, "
-                     "max=G, count=G")
+    if kind == "lookahead":
+        return Fixed(lambda t, keys: future_mass[t + 1, keys] - future_mass[min(t + 1 + value, len(probs)), keys])
+    if kind in ("h2o", "mean"):
+        return Scored(probs, mean=kind == "mean")
+    if kind in ("decay", "max", "count"):
+        return Scored(probs, value, update="sum" if kind == "decay" else kind)
+    raise ValueError(f"process {name!r} has no eviction to replay")
 
 
 @torch.no_grad()
@@ -205,6 +207,19 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
+    names = args.processes.split(",")
+    for name in names:  # a bad name fails here, not after the model and the first window
+        try:
+            parse_process(name)
+        except ValueError as error:
+            parser.error(f"--processes: {error}")
+    try:
+        capacities = [int(c) for c in args.capacities.split(",")]
+    except ValueError:
+        parser.error(f"--capacities {args.capacities!r}: comma-separated ints >= 1")
+    if min(capacities) < 1:
+        parser.error(f"--capacities {args.capacities!r}: comma-separated ints >= 1")
+
     from h2o_compile.quality.evaluation import read_tail, token_windows
     from h2o_compile.zoo.loading import load_local
 
@@ -212,8 +227,6 @@ def main(argv=None) -> int:
     model.config._attn_implementation = "eager"     # the hooks read each layer's attention probabilities
     full_layers = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
     seqs = token_windows(tokenizer, [read_tail(args.text, args.tail)], args.seq_len, args.num_seqs)
-    capacities = [int(c) for c in args.capacities.split(",")]
-    names = args.processes.split(",")
     configs = [("full", None)] if "full" in names else []
     configs += [(name, c) for name in names if name != "full" for c in capacities]
     nll = {config: 0.0 for config in configs}

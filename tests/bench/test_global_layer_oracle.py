@@ -59,13 +59,35 @@ def test_visible_keys_is_an_eviction_process(probe):
 
 def test_accumulated_decay_matches_its_formula(probe):
     probs = torch.rand(6, 6, generator=torch.Generator().manual_seed(1)).tril()
-    process = probe.Accumulated(probs, decay=0.5)
+    process = probe.Scored(probs, decay=0.5)
     for t in range(6):
         process.observe(t, torch.arange(t + 1))
     expected = sum(0.5 ** (5 - t) * probs[t].double() / probs[t].sum() for t in range(6))
     assert torch.allclose(process.score, expected)
 
 
-def test_unknown_process_is_a_clear_error(probe):
+def test_decayed_peak_matches_its_formula(probe):
+    probs = torch.rand(6, 6, generator=torch.Generator().manual_seed(2)).tril()
+    process = probe.Scored(probs, decay=0.5, update="max")
+    for t in range(6):
+        process.observe(t, torch.arange(t + 1))
+    expected = torch.stack([0.5 ** (5 - t) * probs[t].double() / probs[t].sum() for t in range(6)]).amax(0)
+    assert torch.allclose(process.score, expected)
+
+
+@pytest.mark.parametrize("name", ["bogus", "lookahead=x", "lookahead=0", "max=2", "decay=abc"])
+def test_bad_process_is_a_clear_error(probe, name):
     with pytest.raises(ValueError, match="allowed: full, sink"):
-        probe.make_process("bogus", None, None)
+        probe.make_process(name, None, None)
+
+
+def test_every_documented_process_parses(probe):
+    for name in ["full", "sink", "local", "oracle", "lookahead=64", "h2o", "mean", "decay=0.97", "max=0.99",
+                 "count=1"]:
+        assert probe.parse_process(name)[0] == name.partition("=")[0]
+
+
+def test_bad_process_fails_before_the_model_loads(probe, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        probe.main(["--text", str(tmp_path / "none.txt"), "--processes", "oracle,max=7", "--out", str(tmp_path)])
+    assert "--processes: process 'max=7'" in capsys.readouterr().err
