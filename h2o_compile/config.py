@@ -56,10 +56,12 @@ class H2OConfig:
             better than rank over long streams, docs/results/stream/README.md).
         max_distance: D of ``positions="capped"``: None = half the model's max_position_embeddings (the best
             of the caps measured on Gemma 3 270M); an int in [1, max_position_embeddings - 1].
-        score: the eviction key of policy ``h2o``: ``"sum"`` (the paper: accumulated attention) or ``"mean"``
-            (accumulated attention / (newest position - p + 1), the key's lifetime).
-        score_decay: g in [0, 1]; a block of T queries updates A = g^T A + sum_t g^(t1 - t) mass_t. 1 = the
-            paper, 0 = the newest query only (TOVA). Not with ``score="mean"``.
+        score: the eviction key of policy ``h2o``: ``"sum"`` (the paper: accumulated attention), ``"mean"``
+            (accumulated attention / (newest position - p + 1), the key's lifetime) or ``"max"`` (the largest
+            attention one query gave the key, summed over its KV group's heads: A = max(A, mass_t)).
+        score_decay: g in [0, 1]; a block of T queries updates A = g^T A + sum_t g^(t1 - t) mass_t (with
+            ``"max"``: A = max(g^T A, max_t g^(t1 - t) mass_t)). 1 = the paper, 0 = the newest query only
+            (TOVA). Not with ``score="mean"``.
         prompt_window: None, or w >= 1: only the prompt's last w queries add to the scores (SnapKV's
             observation window); later queries add as usual. The prompt is the first block after ``reset``.
         prompt_pool: odd k >= 1: once the prompt is in, its keys' scores are averaged over k neighbouring

@@ -17,8 +17,9 @@ Signature (shapes as in kernels/reference.py; C = cache slots, S = C + T):
 and selects one with Where: the unused ones cost a few element-wise ops over [B, Hkv, S], little next to the
 attention, and one function serves every policy. The score rule of policy h2o (kernels/rules.py, the torch
 copy of the same arithmetic): ``score`` 0 = the accumulated sum, 1 = the mean over the key's lifetime
-(A / (newest - p + 1)); ``decay`` g weighs query t of the block by g^(t1 - t) and the carried scores by
-g^(valid queries of the row), in an If on the attribute that folds away at g = 1. The prompt window and
+(A / (newest - p + 1)), 2 = the peak (A = max(A, a query's mass summed over the group's heads), an If on the
+attribute); ``decay`` g weighs query t of the block by g^(t1 - t) and the carried scores by g^(valid queries
+of the row), in an If on the attribute that folds away at g = 1. The prompt window and
 prompt pooling need a run-time input the exported graph does not have: export_onnx declines them.
 
 Quantized entries (kv_dtype="int8"): the exporter wraps the call, :func:`dequantized` caches in, the caches
@@ -198,18 +199,27 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
         # Query t counts g^(t1 - t) (0^0 = 1), the carried scores g^(valid queries of the row).
         age = op.Cast(op.Max(op.Sub(op.Squeeze(newest, [2]), positions), zero_i), to=FLOAT.dtype)   # [B, T]
         weight = op.Mul(op.Pow(decay_c, age), valid_f)
-        mass = op.ReduceSum(op.Mul(probs, op.Unsqueeze(weight, [1, 2, 4])), [2, 3], keepdims=0)
+        per_query = op.ReduceSum(op.Mul(probs, op.Unsqueeze(weight, [1, 2, 4])), [2], keepdims=0)
         carried = op.Mul(score_cache, op.Unsqueeze(op.Pow(decay_c, op.ReduceSum(valid_f, [1], keepdims=1)), [2]))
     else:
-        mass = op.ReduceSum(probs, [2, 3], keepdims=0)                                 # [B, Hkv, S]
+        per_query = op.ReduceSum(probs, [2], keepdims=0)                               # [B, Hkv, T, S]
         carried = op.Identity(score_cache)
+    peak = op.Equal(op.Constant(value_int=score), op.Constant(value_int=2))
+    if peak:  # score="max", folded away as decay: a key's largest weighted per-query mass
+        mass = op.ReduceMax(per_query, [2], keepdims=0)                                # [B, Hkv, S]
+    else:
+        mass = op.ReduceSum(per_query, [2], keepdims=0)
     probs = op.Reshape(probs, op.Concat(b, hkv, [-1], s, axis=0))                      # [B, Hkv, G*T, S]
     out = op.Add(op.MatMul(op.Slice(probs, [0], cap, [3]), op.Cast(value_cache, to=FLOAT.dtype)),
                  op.MatMul(op.Slice(probs, cap, int_max, [3]), op.Cast(v_new, to=FLOAT.dtype)))
     out = op.CastLike(op.Reshape(out, op.Concat(b, [-1], t, dv, axis=0)), q)          # [B, Hq, T, Dv]
     # Only policy h2o reads scores: the others keep them at 0, as the torch backends do.
     mass = op.Mul(mass, op.Cast(op.Equal(op.Constant(value_int=policy), zero_i), to=FLOAT.dtype))  # [B, Hkv, S]
-    all_scores = op.Add(op.Concat(carried, op.ConstantOfShape(op.Shape(new_pos_h)), axis=2), mass)
+    grown = op.Concat(carried, op.ConstantOfShape(op.Shape(new_pos_h)), axis=2)
+    if peak:
+        all_scores = op.Max(grown, mass)
+    else:
+        all_scores = op.Add(grown, mass)
 
     # ---- eviction priority (larger stays) ------------------------------------------------------------
     pos_f = op.Cast(all_pos, to=FLOAT.dtype)

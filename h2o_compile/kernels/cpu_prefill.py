@@ -10,9 +10,10 @@ on every attention kind), computed differently:
 2. Only when the eviction rule reads scores (``need_mass``): a block without padding (a prompt, a chunk of one,
    each row of a left-padded batch; any window) takes the one-pass op of native_cpu.py, which keeps each
    query tile's probabilities in cache for both the output and the column sums (no second q.k product); so
-   does a window layer's block whatever the rule. Where that op cannot be built, the fused kernel and then a
-   second pass over the same query chunks,
-   mass[p] = sum_t w_t sum_g exp(q_t . k_p x scale - lse_t), in fp32 and never more than one chunk of logits.
+   does a window layer's block whose rule reads no scores. Where that op cannot be built, and for the peak
+   mass of ``score="max"`` (the op sums its columns), the fused kernel and then a second pass over the same
+   query chunks, mass[p] = sum_t (max_t) w_t sum_g exp(q_t . k_p x scale - lse_t), in fp32 and never more
+   than one chunk of logits.
 
 Learned sink logits fold into the log-sum-exp: lse' = logaddexp(lse, s), and out' = out x exp(lse - lse'),
 because the sink only adds to the denominator. Soft-capping has no fused form: ``supports`` declines it and
@@ -40,7 +41,7 @@ def supports(q: Tensor, softcap: float) -> bool:
 def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: Tensor, query_valid: Tensor,
                 scale: float, new_from: Optional[int] = None, *, window: int = 0,
                 sink_logits: Optional[Tensor] = None, query_weight: Optional[Tensor] = None,
-                need_mass: bool = True) -> tuple[Tensor, Tensor]:
+                need_mass: bool = True, peak: bool = False) -> tuple[Tensor, Tensor]:
     """``reference.attend`` (softcap 0) with the fused kernel.
 
     Args:
@@ -49,13 +50,14 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
         new_from: index where the block's own keys start (C): a chunk ending at block index t1 reads C + t1 keys.
         window, sink_logits [Hq]: the layer's attention kind. query_weight: [B, T] fp32 or None (rules.py).
         need_mass: False skips the second pass and returns zero mass (a rule that reads no scores).
+        peak: the mass is the maximum over the queries, not the sum (``score="max"``).
     Returns:
         out [B, Hq, T, Dv] in q's dtype (zeros for invalid queries) and mass [B, Hkv, S] fp32.
     """
     pads = _left_padding(query_valid) if new_from is not None else None
     if pads is not None:
         return _row_by_row(pads, q, keys, values, key_pos, query_pos, scale, new_from, window=window,
-                           sink_logits=sink_logits, query_weight=query_weight, need_mass=need_mass)
+                           sink_logits=sink_logits, query_weight=query_weight, need_mass=need_mass, peak=peak)
     b, hq, t, d = q.shape
     hkv, s_all, dv = keys.shape[1], keys.shape[2], values.shape[3]
     group = hq // hkv
@@ -96,9 +98,11 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     unpadded = new_from is not None and bool(query_valid.all())  # (a host check, fine in an eager prefill)
     # The one-pass op where a rule reads the mass, and on a window layer whatever the rule: it computes only the
     # window's columns per query tile, which beats the masked fused kernel in chunks even without the mass
-    # (Gemma 3's W = 512 layers at 1024 tokens: 16 vs 35 ms). Zero weights then skip the column sums.
-    if unpadded and (need_mass or window > 0) and native_cpu.available():
-        weight = query_weight if need_mass else torch.zeros(b, t)
+    # (Gemma 3's W = 512 layers at 1024 tokens: 16 vs 35 ms). Zero weights then skip the column sums. The op sums
+    # its columns: a peak mass (score="max") comes from the second pass below.
+    one_pass_mass = need_mass and not peak
+    if unpadded and (one_pass_mass or (window > 0 and not need_mass)) and native_cpu.available():
+        weight = query_weight if one_pass_mass else torch.zeros(b, t)
         # The cache as stored (the op computes in fp32): no rounding of an fp32 cache to the queries' dtype.
         out, mass = _one_pass(qf, keys.reshape(b * hkv, s_all, d), values.reshape(b * hkv, s_all, dv),
                               kpos_all[:, 0, 0, :new_from], qpos_all.view(b * hkv, t), window, scale, sink_logits,
@@ -129,7 +133,7 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
         out = out * torch.exp(lse - with_sink).nan_to_num(0.0).to(dtype)[..., None]
         lse = with_sink
     if need_mass:
-        mass = _key_mass(qf, kf, lse, kpos_all, query_weight, scale, chunk, new_from, causal, visible_keys)
+        mass = _key_mass(qf, kf, lse, kpos_all, query_weight, scale, chunk, new_from, causal, visible_keys, peak)
     else:
         mass = torch.zeros(b * hkv, s_all, dtype=torch.float32)
     return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
@@ -191,8 +195,9 @@ def _row_by_row(pads: list[int], q: Tensor, keys: Tensor, values: Tensor, key_po
 
 
 def _key_mass(qf: Tensor, kf: Tensor, lse: Tensor, kpos_all: Tensor, query_weight: Optional[Tensor], scale: float,
-              chunk: int, new_from: Optional[int], causal: bool, visible_keys) -> Tensor:
-    """mass[p] = sum_t w_t sum_g exp(q_t . k_p x scale - lse_t): [N, S] fp32 (N = B x Hkv), chunk by chunk.
+              chunk: int, new_from: Optional[int], causal: bool, visible_keys, peak: bool = False) -> Tensor:
+    """mass[p] = sum_t w_t sum_g exp(q_t . k_p x scale - lse_t): [N, S] fp32 (N = B x Hkv), chunk by chunk;
+    with ``peak`` the maximum over t instead of the sum (``score="max"``).
 
     qf: [N, G, T, D]; kf: [N, 1, S, D]; lse: [N, G, T] fp32 (with any sink folded in); kpos_all: [N, 1, 1, S];
     query_weight: [B, T] or None. ``visible_keys(t0, t1)`` gives the general path's mask over keys lo..s-1.
@@ -231,7 +236,12 @@ def _key_mass(qf: Tensor, kf: Tensor, lse: Tensor, kpos_all: Tensor, query_weigh
             probs.view(n, group, tc, s)[..., new_from + t0:new_from + t1].masked_fill_(future, 0.0)
         else:
             probs.view(n, group, tc, s - lo).masked_fill_(~visible, 0.0)
-        if weight is None:
+        if peak:
+            per_query = probs.view(n, group, tc, s - lo).sum(dim=1)                  # [N, tc, s - lo]
+            if weight is not None:
+                per_query = per_query * weight[:, 0, t0:t1, None]
+            mass[..., lo:s] = torch.maximum(mass[..., lo:s], per_query.amax(dim=1, keepdim=True))
+        elif weight is None:
             mass[..., lo:s] += probs.sum(dim=1, keepdim=True)
         else:
             mass[..., lo:s] += torch.bmm(weight[..., t0:t1].repeat(1, 1, group), probs)

@@ -13,7 +13,8 @@ scales [B, Hkv, C] follow; a block's own tokens are attended at full precision a
 
 One call appends a block of T >= 1 new tokens (a prompt, a prompt chunk or one decode token):
 attend over (kept keys + causal block), add the probability mass every key received (summed over the
-block's queries and over the query heads of its KV group) to its score, then evict down to C slots.
+block's queries and over the query heads of its KV group; under ``score="max"`` the largest of the queries'
+head-summed masses, taken with the score by a maximum) to its score, then evict down to C slots.
 
 Slots are stable: a kept entry never moves, and kept new tokens fill the freed slots in increasing slot
 order. The decode fast path (T = 1) therefore writes the new token straight into the evicted slot, which is
@@ -42,7 +43,7 @@ from . import cpu_prefill, native_cpu
 from .quantized import EMPTY_SCALE, dequantize
 from .rolling import RopeTables, rotate_block
 from .rules import POLICY_CODES, EvictionRule, parse_rule, random_priority  # noqa: F401  (re-exported)
-from .rules import carried_scores, eviction_priority, live_entries, pool_block_scores, query_weights
+from .rules import accumulate, carried_scores, eviction_priority, live_entries, pool_block_scores, query_weights
 from .state import (H2OState, QuantizedState, copy_state_, empty_state, make_state,  # noqa: F401  (re-exported)
                     readable, stored_entries)
 
@@ -71,7 +72,7 @@ _LOGITS_PER_CHUNK = 1 << 22  # fp32 logits held at once by `attend` (16 MiB): qu
 def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: Tensor,
            query_valid: Tensor, scale: float, new_from: Optional[int] = None, *, window: int = 0,
            softcap: float = 0.0, sink_logits: Optional[Tensor] = None,
-           query_weight: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+           query_weight: Optional[Tensor] = None, peak: bool = False) -> tuple[Tensor, Tensor]:
     """Masked attention that also returns the probability mass each key received.
 
     Queries are processed in chunks, so the [T, S] probabilities never exist at once. With ``new_from`` (the
@@ -85,9 +86,10 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: 
         window, softcap, sink_logits [Hq]: the layer's attention kind (module docstring).
         query_weight: [B, T] fp32 or None, what each query's probabilities count in the mass
             (rules.query_weights); None = 1 for every valid query.
+        peak: the mass is the maximum over the queries instead of their sum (``score="max"``).
     Returns:
         out [B, Hq, T, Dv] in q's dtype (zeros for invalid queries) and mass [B, Hkv, S] fp32 =
-        sum over valid queries t and query heads g of the group of w_t P_{t,g}(key).
+        sum (peak: max) over valid queries t of w_t sum over the group's query heads g of P_{t,g}(key).
     """
     b, hq, t, d = q.shape
     hkv, s_all = keys.shape[1], keys.shape[2]
@@ -114,7 +116,12 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: 
         probs.masked_fill_(hidden, 0.0)
         outs.append(torch.matmul(probs.view(b, hkv, group * (t1 - t0), s), values[:, :, :s])
                     .view(b, hkv, group, t1 - t0, -1))
-        if query_weight is None:
+        if peak:
+            per_query = probs.sum(dim=2)                                         # [B, Hkv, tc, s]
+            if query_weight is not None:
+                per_query = per_query * query_weight[:, None, t0:t1, None].float()
+            mass[..., :s] = torch.maximum(mass[..., :s], per_query.amax(dim=2))
+        elif query_weight is None:
             mass[..., :s] += probs.sum(dim=(2, 3))
         else:
             mass[..., :s] += (probs.sum(dim=2) * query_weight[:, None, t0:t1, None].float()).sum(dim=2)
@@ -133,16 +140,16 @@ def _block_inputs(k, positions, valid):
 
 def attend_block(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, positions: Tensor, valid: Tensor,
                  scale: float, *, new_from: int, window: int, softcap: float, sink_logits: Optional[Tensor],
-                 query_weight: Optional[Tensor], need_mass: bool) -> tuple[Tensor, Tensor]:
+                 query_weight: Optional[Tensor], need_mass: bool, peak: bool = False) -> tuple[Tensor, Tensor]:
     """The attention of a block over (cache + block) on the reference path: torch's fused attention where it
     applies (the mass only where a rule reads it, kernels/cpu_prefill.py), else :func:`attend`.
     Shapes as :func:`attend`; the Triton backend passes its own function of this signature."""
     if cpu_prefill.supports(q, softcap):
         return cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, scale, new_from=new_from,
                                        window=window, sink_logits=sink_logits, query_weight=query_weight,
-                                       need_mass=need_mass)
+                                       need_mass=need_mass, peak=peak)
     return attend(q, keys, values, key_pos, positions, valid, scale, new_from=new_from, window=window,
-                  softcap=softcap, sink_logits=sink_logits, query_weight=query_weight)
+                  softcap=softcap, sink_logits=sink_logits, query_weight=query_weight, peak=peak)
 
 
 def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
@@ -180,7 +187,7 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
     weight = query_weights(rule, positions, valid, query_from)
     out, mass = attend_fn(q_seen, keys_seen, values_seen, all_pos, positions, valid, scale, new_from=cap,
                           window=window, softcap=softcap, sink_logits=sink_logits, query_weight=weight,
-                          need_mass=rule.reads_mass)
+                          need_mass=rule.reads_mass, peak=rule.peak)
     all_scores = block_scores(rule, state.score_cache, mass, valid, query_from)
     if not state.quantized and rope is None:  # what was attended is what is stored
         entries = H2OState(keys_seen, values_seen, all_scores, all_pos)
@@ -208,7 +215,7 @@ def block_scores(rule: EvictionRule, score_cache: Tensor, mass: Tensor, valid: T
     if not rule.reads_mass:  # local, sink, random, full: nothing reads a score, so none is kept
         return torch.zeros_like(mass)
     cap = score_cache.shape[-1]
-    old = carried_scores(rule, score_cache, valid) + mass[..., :cap]
+    old = accumulate(rule, carried_scores(rule, score_cache, valid), mass[..., :cap])
     new = mass[..., cap:]
     if query_from is not None:
         new = pool_block_scores(rule, new, valid)
@@ -408,7 +415,7 @@ def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, new
     if weight is not None:                                                       # [B, 1]
         mass_cache, mass_new = mass_cache * weight[:, :, None], mass_new * weight[:, :, None]
     if rule.reads_mass:
-        scores = carried_scores(rule, score_cache, valid) + mass_cache           # [B, Hkv, C]
+        scores = accumulate(rule, carried_scores(rule, score_cache, valid), mass_cache)  # [B, Hkv, C]
     else:  # nothing reads a score: they stay 0 (a constant branch, as the rule is a constant of the graph)
         scores, mass_new = score_cache, torch.zeros_like(mass_new)
     priority = eviction_priority(rule, scores, pos_cache, newest, recent, sinks, seed, window)

@@ -13,9 +13,13 @@ Score rules of policy ``h2o`` (the eviction key):
 
     score="sum"   priority A[p], the paper's accumulated attention.
     score="mean"  priority A[p] / (newest - p + 1): the mass per query that could see p (its lifetime).
+    score="max"   priority A[p], where a query updates A = max(A, M_t) instead of A + M_t, M_t(p) the query's
+                  probability of p summed over the KV group's query heads: the key's peak attention. A key a
+                  distant query will read again often drew one sharp look before; a sum forgets it under the
+                  many queries that glance at their neighbours.
     decay=g       a block of T queries t0..t1 updates A = g^T A + sum_t g^(t1 - t) mass_t (0^0 = 1), so one
                   block or T single tokens give the same A; g = 1 is the paper, g = 0 keeps the newest query
-                  only (TOVA).
+                  only (TOVA). With score="max": A = max(g^T A, max_t g^(t1 - t) M_t), the decayed peak.
     pool=k        (odd) once the prompt is in, the prompt keys' A becomes its mean over the k neighbouring
                   prompt positions (fewer at the ends), SnapKV's pooling.
 
@@ -34,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 POLICY_CODES = {"h2o": 0, "local": 1, "sink": 2, "random": 3, "full": 4}
-SCORES = ("sum", "mean")
+SCORES = ("sum", "mean", "max")
 
 _LEHMER_MOD = 2147483647  # 2^31 - 1, prime: a Lehmer generator over it is a cheap integer hash
 _LEHMER_MUL = 48271
@@ -69,6 +73,11 @@ class EvictionRule:
     def reads_mass(self) -> bool:
         """Whether eviction reads the attention mass at all (only ``h2o`` does; the others skip it)."""
         return self.policy == "h2o"
+
+    @property
+    def peak(self) -> bool:
+        """Whether a query's mass enters A through a maximum (``score="max"``) rather than a sum."""
+        return self.score == "max"
 
     @property
     def spec(self) -> str:
@@ -130,7 +139,7 @@ def eviction_priority(rule: EvictionRule, scores: Tensor, pos: Tensor, newest: T
         not live (empty slots, keys outside the sliding window), which go first whatever their protection.
     """
     if rule.policy == "h2o":
-        key = scores if rule.score == "sum" else scores / (newest - pos + 1).clamp(min=1).to(torch.float32)
+        key = scores / (newest - pos + 1).clamp(min=1).to(torch.float32) if rule.score == "mean" else scores
     elif rule.policy == "random":
         key = random_priority(pos, seed)
     else:
@@ -169,6 +178,12 @@ def carried_scores(rule: EvictionRule, scores: Tensor, valid: Tensor) -> Tensor:
         return scores
     steps = valid.sum(dim=1).to(torch.float32).view(-1, 1, 1)                      # [B, 1, 1]
     return scores * torch.pow(torch.full_like(steps, rule.decay), steps)
+
+
+def accumulate(rule: EvictionRule, carried: Tensor, mass: Tensor) -> Tensor:
+    """A after a block: the carried scores plus the block's mass, or their maximum under ``score="max"``
+    (the mass then being the block's column maximum of weighted per-query masses). Same shapes in and out."""
+    return torch.maximum(carried, mass) if rule.peak else carried + mass
 
 
 def pool_block_scores(rule: EvictionRule, scores: Tensor, new_valid: Tensor) -> Tensor:

@@ -45,11 +45,12 @@ def triton_decode_attend(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, val
 @triton_op("h2o::triton_prefill", mutates_args=())
 def triton_prefill(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, positions: Tensor,
                    valid: Optional[Tensor], scale: float, cache_len: int, window: int = 0, softcap: float = 0.0,
-                   sink_logits: Optional[Tensor] = None, query_weight: Optional[Tensor] = None
+                   sink_logits: Optional[Tensor] = None, query_weight: Optional[Tensor] = None, peak: bool = False
                    ) -> tuple[Tensor, Tensor]:
     """(out [B, Hq, T, Dv], mass [B, Hkv, C+T] fp32); shapes as ``triton_prefill.prefill_attend``."""
     return prefill_attend(q, keys, values, key_pos, positions, valid, scale=scale, cache_len=cache_len,
-                          window=window, softcap=softcap, sink_logits=sink_logits, query_weight=query_weight)
+                          window=window, softcap=softcap, sink_logits=sink_logits, query_weight=query_weight,
+                          peak=peak)
 
 
 def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
@@ -97,7 +98,7 @@ def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Op
 
 
 def _triton_attend_block(q, keys, values, key_pos, positions, valid, scale, *, new_from, window, softcap,
-                         sink_logits, query_weight, need_mass):
+                         sink_logits, query_weight, need_mass, peak=False):
     """reference.attend_block's contract with the Triton prefill kernel (which always returns the mass)."""
     return torch.ops.h2o.triton_prefill(q, keys, values, key_pos, positions, valid, scale, new_from, window,
-                                        softcap, sink_logits, query_weight)
+                                        softcap, sink_logits, query_weight, peak)

@@ -7,7 +7,8 @@ concatenation as ``reference.h2o_attention``), without materialising the [T, C +
    per-row log-sum-exp.
 2. ``_prefill_mass_kernel``, grid ((C + T) / BLOCK_N, B * Hkv): each program owns a block of keys and
    recomputes its logits against every query of the group's heads, turns them into probabilities with the
-   stored LSE and sums them (column sums), so no atomics are needed.
+   stored LSE, sums each query's over the group's heads and then sums them over the queries (column sums),
+   or takes their maximum (``score="max"``), so no atomics are needed.
 
 Visibility is by position, as in the reference: a key is seen by a query iff 0 <= key pos <= query pos and
 the query is valid (and, with a sliding window W, query pos - key pos < W). Both kernels skip new-key blocks
@@ -156,6 +157,7 @@ def _prefill_mass_kernel(
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_VALID: tl.constexpr, DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    PEAK: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs 16 x 16 tiles at least")
     pid_n = tl.program_id(0)
@@ -173,16 +175,19 @@ def _prefill_mass_kernel(
     # New token j is seen by queries i >= j only; cached slots by every query.
     first_query = tl.maximum(pid_n * BLOCK_N - C, 0) // BLOCK_M * BLOCK_M
     col = tl.zeros([BLOCK_N], tl.float32)
-    for g in range(G):
-        hq = h * G + g
-        for m0 in range(first_query, T, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            qpos, qvalid = _query_rows(POSITIONS, VALID, b, offs_m, T, stride_posb, stride_post, stride_validb,
-                                       stride_validt, HAS_VALID)
-            meet = True  # as in the forward kernel; the queries are loaded only for a tile pair that meets
-            if WINDOW > 0:
-                meet = _tiles_meet(kpos, qpos, qvalid, WINDOW)
-            if meet:
+    for m0 in range(first_query, T, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        qpos, qvalid = _query_rows(POSITIONS, VALID, b, offs_m, T, stride_posb, stride_post, stride_validb,
+                                   stride_validt, HAS_VALID)
+        meet = True  # as in the forward kernel; the queries are loaded only for a tile pair that meets
+        if WINDOW > 0:
+            meet = _tiles_meet(kpos, qpos, qvalid, WINDOW)
+        if meet:
+            vis = _visible(kpos, qpos, qvalid, WINDOW)
+            # Each query's mass summed over the group's heads first: a peak (score="max") is taken per query.
+            tile = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            for g in range(G):
+                hq = h * G + g
                 q = _load_queries(Q, b, hq, offs_m, offs_d, T, stride_qb, stride_qh, stride_qt, stride_qd, D)
                 lse = tl.load(LSE + (b * HKV * G + hq) * T + offs_m, mask=offs_m < T, other=0.0)
                 # Recomputed exactly as in the forward kernel, so each row's probabilities sum to one (less
@@ -190,13 +195,16 @@ def _prefill_mass_kernel(
                 s = tl.dot(q.to(KEYS.dtype.element_ty), tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
                 if SOFTCAP > 0:
                     s = soft_cap(s, SOFTCAP)
-                vis = _visible(kpos, qpos, qvalid, WINDOW)
-                col += tl.sum(tl.exp2(tl.where(vis, s - lse[:, None], NEG)), 0)
+                tile += tl.exp2(tl.where(vis, s - lse[:, None], NEG))
+            if PEAK:
+                col = tl.maximum(col, tl.max(tile, 0))
+            else:
+                col += tl.sum(tile, 0)
     tl.store(MASS + pid_bh * n_total + offs_n, col, mask=n_mask)
 
 
 def prefill_attend(q, keys, values, key_pos, positions, valid, *, scale: float, cache_len: int, window: int = 0,
-                   softcap: float = 0.0, sink_logits=None, query_weight=None):
+                   softcap: float = 0.0, sink_logits=None, query_weight=None, peak: bool = False):
     """Attention of a block over (cache + block) and the probability mass every key received.
 
     Args:
@@ -206,9 +214,11 @@ def prefill_attend(q, keys, values, key_pos, positions, valid, *, scale: float, 
         window (0 = none), softcap (0 = none), sink_logits [Hq] or None: the layer's attention kind.
         query_weight: [B, T] fp32 or None, what each query's probabilities count in the mass
             (kernels/rules.py); None = 1 for every valid query.
+        peak: the mass is the maximum over the queries, not the sum (``score="max"``).
     Returns:
-        out [B, Hq, T, Dv] in q's dtype (zeros for invalid queries) and mass [B, Hkv, C+T] fp32 = sum over
-        valid queries and the group's query heads of each key's weighted probability (``reference.attend``).
+        out [B, Hq, T, Dv] in q's dtype (zeros for invalid queries) and mass [B, Hkv, C+T] fp32 = sum (peak:
+        max) over valid queries of each key's weighted probability summed over the group's query heads
+        (``reference.attend``).
     """
     from torch.library import wrap_triton
 
@@ -247,6 +257,6 @@ def prefill_attend(q, keys, values, key_pos, positions, valid, *, scale: float, 
         *q.stride(), *keys.stride(), *key_pos.stride(),
         *positions.stride(), *valid_t.stride(),
         cache_len, t, qk_scale,
-        HKV=hkv, **common,
+        HKV=hkv, PEAK=peak, **common,
     )
     return out, mass

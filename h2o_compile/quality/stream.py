@@ -141,7 +141,7 @@ def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: i
             (sink_tokens None = the policy's default; max_distance only with positions "capped", None = the
             model's default).
         window_tokens: scored tokens per reported window.
-        rule: the score rule of policy h2o, by the names of ``tasks --rules`` ("sum", "mean", "tova",
+        rule: the score rule of policy h2o, by the names of ``tasks --rules`` ("sum", "mean", "max", "tova",
             "decay=0.99", "global=2+decay=0.99" with compress_sliding, ...); ignored by the other policies. A
             prompt window or pooling has no prompt to act on in a chunked stream and is refused.
     Returns:
@@ -203,7 +203,8 @@ def stream_rule_options(rule: str, compress_sliding: bool = False) -> dict:
     options = parse_rule_option(rule)
     if options.get("prompt_window") is not None or options.get("prompt_pool", 1) != 1:
         raise ValueError(f"score rule {rule!r}: a stream is fed in chunks and has no prompt for a prompt window or "
-                         "pooling (window=, pool=, snapkv) to act on; use sum, mean, tova or decay=G, joined by '+'")
+                         "pooling (window=, pool=, snapkv) to act on; use sum, mean, max, tova or decay=G, joined by "
+                         "'+'")
     if "global_share" in options and not compress_sliding:
         raise ValueError(f"score rule {rule!r}: global= splits slots between compressed sliding-window and "
                          "full-attention layers; without compress_sliding (--compress-sliding) a stream's "

@@ -12,13 +12,13 @@ import torch
 from .tasks import TaskSample, max_new_tokens
 
 # Score-rule presets by name (DESIGN.md section 2 "Score rules"); "+" joins options: "mean+window=64+pool=5".
-RULE_PRESETS = {"sum": {}, "mean": {"score": "mean"}, "tova": {"score_decay": 0.0},
+RULE_PRESETS = {"sum": {}, "mean": {"score": "mean"}, "max": {"score": "max"}, "tova": {"score_decay": 0.0},
                 "snapkv": {"prompt_window": 64, "prompt_pool": 5}}
 
 
 def parse_rule_option(text: str) -> dict:
-    """'sum' | 'mean' | 'tova' | 'snapkv' | 'decay=G' | 'window=W' | 'pool=K' | 'recent=R' | 'global=S', joined
-    by '+' -> H2OConfig keyword arguments (recent=R: the recent window's share of the cache, recent_ratio;
+    """'sum' | 'mean' | 'max' | 'tova' | 'snapkv' | 'decay=G' | 'window=W' | 'pool=K' | 'recent=R' | 'global=S',
+    joined by '+' -> H2OConfig keyword arguments (recent=R: the recent window's share of the cache, recent_ratio;
     global=S: global_share, with compress_sliding). A ValueError names the bad part; H2OConfig checks the
     values."""
     options: dict = {}

@@ -131,7 +131,7 @@ def test_empty_block_is_an_error(lib):
         native_session(lib, feed).run(None, feed)
 
 
-@pytest.mark.parametrize("attrs,named", [({"policy": 7}, "policy"), ({"score": 2}, "score"),
+@pytest.mark.parametrize("attrs,named", [({"policy": 7}, "policy"), ({"score": 3}, "score"),
                                          ({"decay": 1.5}, "decay"), ({"window": None}, "window")])
 def test_bad_attribute_is_an_error(lib, attrs, named):
     feed = good_feed()

@@ -32,6 +32,7 @@ MAX_SEQ_LEN = 64
 CASES = {
     "llama_h2o": ("llama", {"budget": 6, "sink_tokens": 1, "policy": "h2o"}),
     "llama_decayed_score": ("llama", {"budget": 6, "sink_tokens": 1, "score_decay": 0.8}),
+    "llama_decayed_peak": ("llama", {"budget": 6, "sink_tokens": 1, "score": "max", "score_decay": 0.8}),
     "gpt2_local_chunked": ("gpt2", {"budget": 7, "policy": "local", "prefill": 4}),
     "qwen3_random": ("qwen3", {"budget": 0.125, "sink_tokens": 1, "policy": "random", "seed": 7}),
     "gemma3_window_cache": ("gemma3", {"budget": 8, "sink_tokens": 1, "policy": "h2o"}),

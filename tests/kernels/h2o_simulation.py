@@ -17,7 +17,8 @@ Score rules (DESIGN.md section 2, "Score rules"), simulated query by query rathe
 each valid query adds its probabilities, every score is multiplied by ``decay``; a query whose position is not
 in ``counted`` adds nothing (a prompt window); after a ``prompt`` block with ``pool`` k > 1 each of the block's
 keys takes the mean score of the block's keys within k // 2 positions; ``score="mean"`` evicts by
-score / (newest - p + 1).
+score / (newest - p + 1); ``score="max"`` replaces a score by the larger of it and the query's probability
+summed over the group's heads, instead of adding that.
 
 Quantized entries (``quantized=True``, DESIGN.md section 2 "Quantized entries"): a key or value is rounded to
 s * round(x / s) with s = max|x| / 127 when it is stored; the block that brings it reads the exact vector, every
@@ -88,6 +89,7 @@ class SimulatedCache:
             keys = torch.stack([self.turn(self.keys[p] if p in new else self.stored[p][0], number[p])
                                 for p in visible])
             values = torch.stack([self.values[p] if p in new else self.stored[p][1] for p in visible])
+            query_mass = [0.0] * len(visible)  # this query's probabilities summed over the group's heads
             for g in range(q.shape[0]):
                 logits = [float(self.turn(q[g, i], number[t]) @ key) * scale for key in keys]
                 if self.softcap is not None:
@@ -101,10 +103,11 @@ class SimulatedCache:
                 if g == 0:  # time passes once per query, not once per head of the group
                     for p in self.score:
                         self.score[p] *= self.decay
-                # Only h2o reads scores; the other policies keep none (every backend leaves them at 0).
-                if self.policy == "h2o" and (counted is None or t in counted):
-                    for p, pr in zip(visible, probs):
-                        self.score[p] += pr
+                query_mass = [m + pr for m, pr in zip(query_mass, probs)]
+            # Only h2o reads scores; the other policies keep none (every backend leaves them at 0).
+            if self.policy == "h2o" and (counted is None or t in counted):
+                for p, m in zip(visible, query_mass):
+                    self.score[p] = max(self.score[p], m) if self.score_rule == "max" else self.score[p] + m
         if prompt and self.pool > 1:
             half = self.pool // 2
             pooled = {p: [self.score[n] for n in positions if abs(n - p) <= half] for p in positions}

@@ -50,18 +50,21 @@ def mass_path(request, monkeypatch):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_hq{}_hkv{}_t{}_c{}_d{}".format(*s))
 @pytest.mark.parametrize("kind", ["plain", "no padding", "window", "sinks", "weights", "sinks no padding",
                                   "prompt window", "prompt window no padding", "window empty cache",
-                                  "window empty cache no padding"])
+                                  "window empty cache no padding", "peak", "peak no padding", "window peak",
+                                  "weights peak", "prompt window no padding peak",
+                                  "window empty cache no padding peak"])
 def test_fused_prefill_equals_the_spec(shape, kind, mass_path):
     """One pass: every unpadded block (or row) through the native op. Two passes: padding or a window take the
     masked kernel in query chunks, a block without either the causal kernel plus one masked call over the
-    cache (an empty cache when C = 0), then the mass pass."""
+    cache (an empty cache when C = 0), then the mass pass. A peak mass (``score="max"``) always takes the
+    mass pass."""
     q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, pad="no padding" not in kind)
     if "empty cache" in kind:  # a prompt's first block: each query chunk attends over its window's span only
         key_pos[..., :shape[4]] = -1
     kw = dict(window=6 if kind.startswith("window") else 0,
-              sink_logits=sink_logits_for(shape[1], "cpu") if "sinks" in kind else None)
+              sink_logits=sink_logits_for(shape[1], "cpu") if "sinks" in kind else None, peak="peak" in kind)
     weight = None
-    if kind == "weights":
+    if kind.startswith("weights"):
         weight = torch.rand(positions.shape, generator=torch.Generator().manual_seed(1))
     if "prompt window" in kind:  # only the last 5 queries count: the mass pass starts at the first of them
         weight = torch.zeros(positions.shape)

@@ -34,7 +34,8 @@ def test_quantize_is_symmetric_absmax_per_vector():
         torch.testing.assert_close(quantized.dequantize(q[i, j], scale[i, j]).double(), want, rtol=1e-6, atol=0)
 
 
-RULES = [(EvictionRule(), None), (EvictionRule(score="mean"), None), (EvictionRule(decay=0.9, pool=3), 2)]
+RULES = [(EvictionRule(), None), (EvictionRule(score="mean"), None), (EvictionRule(decay=0.9, pool=3), 2),
+         (EvictionRule(score="max", decay=0.8), None)]
 
 
 @pytest.mark.parametrize("rule,window", RULES, ids=[f"{r.spec}-w{w}" for r, w in RULES])

@@ -30,6 +30,9 @@ RULES = [
     (EvictionRule(pool=3), None),
     (EvictionRule(pool=5), 4),
     (EvictionRule(decay=0.9, pool=3), 2),
+    (EvictionRule(score="max"), None),
+    (EvictionRule(score="max", decay=0.8), None),
+    (EvictionRule(score="max", decay=0.9, pool=3), 2),
 ]
 RULE_IDS = [f"{r.spec}-w{w}" for r, w in RULES]
 PROMPT = 11            # tokens of row 0; row 1 has 3 padding tokens first
@@ -130,15 +133,16 @@ def test_triton_matches_the_simulation(triton_device, rule, window):
     _drive(_triton, rule, window)
 
 
+@pytest.mark.parametrize("score", ["sum", "max"])
 @pytest.mark.parametrize("decay", [1.0, 0.7, 0.0])
-def test_a_block_scores_as_its_tokens_one_by_one(decay):
+def test_a_block_scores_as_its_tokens_one_by_one(decay, score):
     """With a decay, one block of T queries gives the scores of T single-token steps (the cache is large enough
     that nothing is evicted, so both keep every key)."""
     gen = torch.Generator().manual_seed(4)
     b, hq, hkv, t, d = 2, 4, 2, 9, 8
     q, k, v = (torch.randn(b, h, t, d, generator=gen) for h in (hq, hkv, hkv))
     positions = torch.arange(t).expand(b, t).contiguous()
-    kw = dict(scale=d ** -0.5, recent=1, sinks=0, policy=EvictionRule(decay=decay).spec)
+    kw = dict(scale=d ** -0.5, recent=1, sinks=0, policy=EvictionRule(score=score, decay=decay).spec)
     whole, single = (reference.empty_state(b, hkv, t, d) for _ in range(2))
     reference.h2o_attention_(q, k, v, positions, None, whole, **kw)
     for i in range(t):
@@ -165,7 +169,7 @@ def test_a_prompt_window_is_the_same_in_chunks():
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("h2o;score=max", "score='max'"), ("h2o;decay=1.5", "score_decay=1.5"), ("h2o;pool=4", "prompt_pool=4"),
+    ("h2o;score=peak", "score='peak'"), ("h2o;decay=1.5", "score_decay=1.5"), ("h2o;pool=4", "prompt_pool=4"),
     ("h2o;score=mean;decay=0.5", "score_decay=0.5 must be 1"), ("sink;score=mean", "policy='sink'"),
     ("h2o;window=3", "unknown option 'window=3'"), ("lru", "policy='lru'"),
 ])

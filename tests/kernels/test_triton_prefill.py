@@ -84,7 +84,9 @@ def test_prefill_attention_kinds_match_reference(triton_device, window, softcap,
 
 
 KINDS = {"plain": {}, "window": dict(window=7), "softcap": dict(softcap=2.0), "sinks": dict(sinks=True),
-         "all": dict(window=7, softcap=2.0, sinks=True)}
+         "all": dict(window=7, softcap=2.0, sinks=True),
+         # score="max": each key's largest head-summed probability over the queries instead of their sum
+         "peak": dict(peak=True), "peak all": dict(window=7, softcap=2.0, sinks=True, peak=True)}
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

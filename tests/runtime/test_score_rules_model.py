@@ -22,6 +22,10 @@ RULES = [
     (dict(prompt_window=5, prompt_pool=3), dict(prompt_window=5, pool=3)),
     # the prompt rules with a decayed score (the README's setting for retrieval and running text alike)
     (dict(score_decay=0.9, prompt_window=5, prompt_pool=3), dict(decay=0.9, prompt_window=5, pool=3)),
+    # the decayed peak: each key's largest (decayed) attention from one query
+    (dict(score="max"), dict(score="max")),
+    (dict(score="max", score_decay=0.9, prompt_window=5, prompt_pool=3),
+     dict(score="max", decay=0.9, prompt_window=5, pool=3)),
 ]
 
 
@@ -68,7 +72,7 @@ def test_prompt_windows_are_a_run_time_input_of_one_compiled_step(llama):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(score="max"), "score='max'"), (dict(score="mean", score_decay=0.5), "score_decay=0.5 must be 1"),
+    (dict(score="peak"), "score='peak'"), (dict(score="mean", score_decay=0.5), "score_decay=0.5 must be 1"),
     (dict(prompt_pool=2), "prompt_pool=2"), (dict(prompt_window=0), "prompt_window=0"),
     (dict(prompt_pool=3, prefill=8), "needs prefill='full'"), (dict(policy="local", score="mean"), "policy='local'"),
     (dict(score_decay=-0.1), "score_decay=-0.1"),

@@ -181,7 +181,7 @@ inline OrtStatus* create_kernel_v2(const OrtCustomOp* op, const OrtApi* api, con
   for (auto& i : ints)
     if (OrtStatus* st = api->KernelInfoGetAttribute_int64(info, i.name, i.dst)) { api->ReleaseStatus(st); bad += std::string(" ") + i.name; }
   if (bad.empty() && (a.policy < 0 || a.policy > 4)) bad = " policy (0..4)";
-  if (bad.empty() && (a.score < 0 || a.score > 1)) bad = " score (0 = sum, 1 = mean)";
+  if (bad.empty() && (a.score < 0 || a.score > 2)) bad = " score (0 = sum, 1 = mean, 2 = max)";
   if (bad.empty() && !(a.decay >= 0.f && a.decay <= 1.f)) bad = " decay (in [0, 1])";
   if (bad.empty() && (a.rolling < 0 || a.rolling > 1)) bad = " rolling (0 or 1)";
   // max_distance came with format 4; a model exported before has none and numbers by rank.

@@ -77,7 +77,7 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
   const int64_t C = d.C, T = d.T, S = d.S, D = d.D, Dv = d.Dv, G = d.G;
   float* logits = smem;             // [S]
   float* mass = logits + S;         // [S], then the scores
-  float* prio = mass + S;           // [S]
+  float* prio = mass + S;           // [S] under score="max" first each query's mass, then the priorities
   int* aux = reinterpret_cast<int*>(prio + S);  // [S] rolling rank, then keep | held << 1
   int* src = aux + S;               // [C] block token filling each freed slot, -1 = none
   float* sq = reinterpret_cast<float*>(src + C);  // [D] the current query (rotated when rolling)
@@ -96,6 +96,7 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
   }
   __syncthreads();
   const int64_t newest = newest_s;
+  const bool peak = a.score == 2;
   for (int64_t j = tid; j < S; j += kThreads) {
     mass[j] = 0.f;
     if (!a.rolling) continue;
@@ -131,6 +132,10 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
   for (int64_t t = 0; t < T; ++t) {
     const int64_t qp = positions[t];
     const float weight = a.decay < 1.f ? powf(a.decay, static_cast<float>(imax(newest - qp, 0))) : 1.f;
+    // score="max": the query's probabilities summed over the group's heads in prio, then the max into mass. Each
+    // thread owns the same entries j in every loop, so the buffer needs no barrier of its own.
+    float* into = peak ? prio : mass;
+    if (peak) for (int64_t j = tid; j < S; j += kThreads) into[j] = 0.f;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t head = h * G + g;
       QT* out = x.out + ((b * d.Hq + head) * T + t) * Dv;
@@ -170,7 +175,7 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
       total = block_reduce(total, false, red) + expf(sink - peak);
       for (int64_t j = tid; j < S; j += kThreads) {
         logits[j] /= total;
-        if (a.policy == 0) mass[j] += logits[j] * weight;
+        if (a.policy == 0) into[j] += logits[j] * weight;
       }
       __syncthreads();
       for (int64_t i = tid; i < Dv; i += kThreads) {
@@ -180,12 +185,14 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
       }
       __syncthreads();
     }
+    if (peak) for (int64_t j = tid; j < S; j += kThreads) mass[j] = fmaxf(mass[j], into[j]);
   }
   // Scores and eviction priority (larger stays), as the CPU kernel.
   const float carry = a.decay < 1.f ? powf(a.decay, static_cast<float>(n_valid_s)) : 1.f;
   for (int64_t j = tid; j < S; j += kThreads) {
     const int64_t p = pos(j);
-    const float score = (j < C ? (a.decay < 1.f ? x.score_cache[pair * C + j] * carry : x.score_cache[pair * C + j]) : 0.f) + mass[j];
+    const float carried = j < C ? (a.decay < 1.f ? x.score_cache[pair * C + j] * carry : x.score_cache[pair * C + j]) : 0.f;
+    const float score = peak ? fmaxf(carried, mass[j]) : carried + mass[j];
     mass[j] = score;
     float k = a.policy == 0 ? (a.score == 1 ? score / static_cast<float>(imax(newest - p + 1, 1)) : score)
               : a.policy == 3 ? random_priority(p, a.seed) : static_cast<float>(p);
