@@ -180,5 +180,5 @@ def test_bad_rules_are_named(spec, message):
 
 def test_the_paper_rule_is_the_bare_policy_name():
     assert EvictionRule().spec == "h2o" and parse_rule("h2o") == EvictionRule()
-    rule = EvictionRule(decay=0.25, pool=5)
-    assert parse_rule(rule.spec) == rule
+    for rule in (EvictionRule(decay=0.25, pool=5), EvictionRule(score="max", decay=0.9)):
+        assert parse_rule(rule.spec) == rule
