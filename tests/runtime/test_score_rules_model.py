@@ -55,11 +55,13 @@ def test_a_prompt_window_covering_the_prompt_is_the_paper(llama):
     assert not all(torch.equal(a, b) for a, b in zip(kept[None], kept[2])), "a 2-query window changed nothing"
 
 
-def test_prompt_windows_are_a_run_time_input_of_one_compiled_step(llama):
-    """Prompts of new lengths and left padding under a prompt window and a decay: one compiled decode step,
-    equal to eager."""
-    compiled = h2o_compile.optimize(llama, budget=0.3, prompt_window=3, score_decay=0.9, compile=True)
-    eager = h2o_compile.optimize(llama, budget=0.3, prompt_window=3, score_decay=0.9, compile=False)
+@pytest.mark.parametrize("score", ["sum", "max"])
+def test_prompt_windows_are_a_run_time_input_of_one_compiled_step(llama, score):
+    """Prompts of new lengths and left padding under a prompt window and a decay (of the sum and of the peak):
+    one compiled decode step, equal to eager."""
+    rule = dict(budget=0.3, prompt_window=3, score_decay=0.9, score=score)
+    compiled = h2o_compile.optimize(llama, compile=True, **rule)
+    eager = h2o_compile.optimize(llama, compile=False, **rule)
     gen = torch.Generator().manual_seed(5)
     with strict_compile():
         for batch, length in [(1, 20), (3, 33), (2, 47)]:
