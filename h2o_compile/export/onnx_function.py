@@ -199,16 +199,16 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
         # Query t counts g^(t1 - t) (0^0 = 1), the carried scores g^(valid queries of the row).
         age = op.Cast(op.Max(op.Sub(op.Squeeze(newest, [2]), positions), zero_i), to=FLOAT.dtype)   # [B, T]
         weight = op.Mul(op.Pow(decay_c, age), valid_f)
-        per_query = op.ReduceSum(op.Mul(probs, op.Unsqueeze(weight, [1, 2, 4])), [2], keepdims=0)
+        weighted = op.Mul(probs, op.Unsqueeze(weight, [1, 2, 4]))
         carried = op.Mul(score_cache, op.Unsqueeze(op.Pow(decay_c, op.ReduceSum(valid_f, [1], keepdims=1)), [2]))
     else:
-        per_query = op.ReduceSum(probs, [2], keepdims=0)                               # [B, Hkv, T, S]
+        weighted = op.Identity(probs)                                                  # [B, Hkv, G, T, S]
         carried = op.Identity(score_cache)
-    peak = op.Equal(op.Constant(value_int=score), op.Constant(value_int=2))
-    if peak:  # score="max", folded away as decay: a key's largest weighted per-query mass
-        mass = op.ReduceMax(per_query, [2], keepdims=0)                                # [B, Hkv, S]
+    is_peak = op.Equal(op.Constant(value_int=score), op.Constant(value_int=2))
+    if is_peak:  # score="max", folded away as decay: each query's mass over the group's heads, then the max
+        mass = op.ReduceMax(op.ReduceSum(weighted, [2], keepdims=0), [2], keepdims=0)  # [B, Hkv, S]
     else:
-        mass = op.ReduceSum(per_query, [2], keepdims=0)
+        mass = op.ReduceSum(weighted, [2, 3], keepdims=0)
     probs = op.Reshape(probs, op.Concat(b, hkv, [-1], s, axis=0))                      # [B, Hkv, G*T, S]
     out = op.Add(op.MatMul(op.Slice(probs, [0], cap, [3]), op.Cast(value_cache, to=FLOAT.dtype)),
                  op.MatMul(op.Slice(probs, cap, int_max, [3]), op.Cast(v_new, to=FLOAT.dtype)))
@@ -216,7 +216,7 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     # Only policy h2o reads scores: the others keep them at 0, as the torch backends do.
     mass = op.Mul(mass, op.Cast(op.Equal(op.Constant(value_int=policy), zero_i), to=FLOAT.dtype))  # [B, Hkv, S]
     grown = op.Concat(carried, op.ConstantOfShape(op.Shape(new_pos_h)), axis=2)
-    if peak:
+    if is_peak:
         all_scores = op.Max(grown, mass)
     else:
         all_scores = op.Add(grown, mass)

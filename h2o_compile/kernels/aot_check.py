@@ -82,7 +82,11 @@ def variants(quick: bool):
                        dict(finish, HAS_SINKS=sinks, **extra, **plain_cache), 8)
                 yield (f"prefill forward {tag}", tp._prefill_fwd_kernel, pre,
                        dict(forward, HAS_SINKS=sinks, **extra), warps)
-                yield f"prefill mass {tag}", tp._prefill_mass_kernel, pre, dict(base, HKV=8, **extra), warps
+                yield (f"prefill mass {tag}", tp._prefill_mass_kernel, pre, dict(base, HKV=8, PEAK=False, **extra),
+                       warps)
+            # score="max" takes each key's column maximum instead of the sum: its own mass kernel.
+            tag = f"{dt} G={group} D={d} peak"
+            yield f"prefill mass {tag}", tp._prefill_mass_kernel, pre, dict(base, HKV=8, PEAK=True, **_PLAIN), warps
             # Quantized entries change only the decode kernels (a block reads a dequantized copy).
             tag = f"{dt} G={group} D={d} int8"
             yield (f"decode partial {tag}", td._decode_partial_kernel, int8, dict(partial, **_PLAIN, **int8_cache), 4)

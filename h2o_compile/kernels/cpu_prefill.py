@@ -12,8 +12,8 @@ on every attention kind), computed differently:
    query tile's probabilities in cache for both the output and the column sums (no second q.k product); so
    does a window layer's block whose rule reads no scores. Where that op cannot be built, and for the peak
    mass of ``score="max"`` (the op sums its columns), the fused kernel and then a second pass over the same
-   query chunks, mass[p] = sum_t (max_t) w_t sum_g exp(q_t . k_p x scale - lse_t), in fp32 and never more
-   than one chunk of logits.
+   query chunks, mass[p] = sum over t (the max over t for a peak) of w_t sum_g exp(q_t . k_p x scale - lse_t),
+   in fp32 and never more than one chunk of logits.
 
 Learned sink logits fold into the log-sum-exp: lse' = logaddexp(lse, s), and out' = out x exp(lse - lse'),
 because the sink only adds to the denominator. Soft-capping has no fused form: ``supports`` declines it and

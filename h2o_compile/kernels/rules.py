@@ -14,9 +14,9 @@ Score rules of policy ``h2o`` (the eviction key):
     score="sum"   priority A[p], the paper's accumulated attention.
     score="mean"  priority A[p] / (newest - p + 1): the mass per query that could see p (its lifetime).
     score="max"   priority A[p], where a query updates A = max(A, M_t) instead of A + M_t, M_t(p) the query's
-                  probability of p summed over the KV group's query heads: the key's peak attention. A key a
-                  distant query will read again often drew one sharp look before; a sum forgets it under the
-                  many queries that glance at their neighbours.
+                  probability of p summed over the KV group's query heads: the key's peak attention. Why: the
+                  keys Gemma 3's global layers read again hundreds of tokens later had one sharp look before,
+                  which a (decayed) sum forgets (docs/results/eval_gemma3/probes).
     decay=g       a block of T queries t0..t1 updates A = g^T A + sum_t g^(t1 - t) mass_t (0^0 = 1), so one
                   block or T single tokens give the same A; g = 1 is the paper, g = 0 keeps the newest query
                   only (TOVA). With score="max": A = max(g^T A, max_t g^(t1 - t) M_t), the decayed peak.

@@ -22,26 +22,24 @@ def parse_rule_option(text: str) -> dict:
     global=S: global_share, with compress_sliding). A ValueError names the bad part; H2OConfig checks the
     values."""
     options: dict = {}
+    fields = {"decay": ("score_decay", float), "window": ("prompt_window", int), "pool": ("prompt_pool", int),
+              "recent": ("recent_ratio", float), "global": ("global_share", float)}
     for part in text.split("+"):
         name, _, value = part.partition("=")
         try:
             if part in RULE_PRESETS:
-                options.update(RULE_PRESETS[part])
-            elif name == "decay":
-                options["score_decay"] = float(value)
-            elif name == "window":
-                options["prompt_window"] = int(value)
-            elif name == "pool":
-                options["prompt_pool"] = int(value)
-            elif name == "recent":
-                options["recent_ratio"] = float(value)
-            elif name == "global":
-                options["global_share"] = float(value)
+                given = dict(RULE_PRESETS[part])
+            elif name in fields:
+                given = {fields[name][0]: fields[name][1](value)}
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"score rule {text!r}: cannot read {part!r}; use {', '.join(RULE_PRESETS)}, decay=G, "
                              "window=W, pool=K, recent=R or global=S, joined by '+'") from None
+        twice = sorted(set(given) & set(options))
+        if twice:  # e.g. "mean+max" or "tova+decay=0.9": the later part would silently win
+            raise ValueError(f"score rule {text!r}: {part!r} sets {', '.join(twice)} a second time")
+        options.update(given)
     return options
 
 

@@ -19,7 +19,9 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     compiled = [line for line in run.stdout.splitlines() if line.startswith("ok ")]
     # decode partial, finish, prefill forward and mass (the policy is torch code after them); then the hybrid
-    # kind (window, soft-cap, sink logits) of the same four; the two decode kernels over an int8 cache
-    assert len(compiled) == 10, run.stdout
+    # kind (window, soft-cap, sink logits) of the same four; the mass kernel of score="max"; the two decode
+    # kernels over an int8 cache
+    assert len(compiled) == 11, run.stdout
+    assert sum(" peak " in line for line in compiled) == 1, run.stdout
     assert sum(" hybrid " in line for line in compiled) == 4, run.stdout
     assert sum(" int8 " in line for line in compiled) == 2, run.stdout

@@ -80,6 +80,8 @@ def test_bad_task_arguments_are_named(tiny, filler):
     ("decay=0.99", {"score_decay": 0.99}),
     ("window=64+pool=9+recent=0.1", {"prompt_window": 64, "prompt_pool": 9, "recent_ratio": 0.1}),
     ("global=2+decay=0.99", {"global_share": 2.0, "score_decay": 0.99}),
+    ("max+decay=0.99+window=64+pool=21", {"score": "max", "score_decay": 0.99, "prompt_window": 64,
+                                          "prompt_pool": 21}),
 ])
 def test_rule_options(text, want):
     assert parse_rule_option(text) == want
@@ -97,6 +99,14 @@ def test_a_task_configuration_takes_its_recent_ratio_once():
 def test_bad_rule_option_is_named():
     with pytest.raises(ValueError, match="cannot read 'windw=3'"):
         parse_rule_option("mean+windw=3")
+
+
+@pytest.mark.parametrize("text,part,field", [
+    ("mean+max", "max", "score"), ("tova+decay=0.9", "decay=0.9", "score_decay"),
+    ("window=8+snapkv", "snapkv", "prompt_window")])
+def test_an_option_given_twice_is_named(text, part, field):
+    with pytest.raises(ValueError, match=f"'{part}' sets {field}"):
+        parse_rule_option(text)
 
 
 def test_runner_and_report_on_the_tiny_model(tiny, filler, tmp_path):

@@ -170,17 +170,17 @@ void run_pair(const Attrs& a, const Dims& d, const Tensors<QT, CT>& x, int64_t b
   }
   const float floor_logit = -std::numeric_limits<float>::max();
   const bool h2o_policy = a.policy == 0;
-  const bool peak = a.score == 2;  // score="max": each query's mass over its group's heads, then their max
+  const bool is_peak = a.score == 2;  // score="max": each query's mass over its group's heads, then their max
   w.mass.assign(S, 0.f);
-  if (peak) w.query_mass.resize(S);
+  if (is_peak) w.query_mass.resize(S);
   w.logits.resize(S);
   std::vector<float> acc(Dv);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t qp = positions[t];
     float weight = 1.f;
     if (a.decay < 1.f) weight = std::pow(a.decay, static_cast<float>(std::max<int64_t>(newest - qp, 0)));
-    float* into = peak ? w.query_mass.data() : w.mass.data();  // where this query's probabilities add up
-    if (peak) std::fill(into, into + S, 0.f);
+    float* into = is_peak ? w.query_mass.data() : w.mass.data();  // where this query's probabilities add up
+    if (is_peak) std::fill(into, into + S, 0.f);
     for (int64_t g = 0; g < G; ++g) {
       QT* out = x.out + (((b * d.Hq) + h * G + g) * T + t) * Dv;
       if (!valid[t]) { for (int64_t i = 0; i < Dv; ++i) out[i] = from_f<QT>(0.f); continue; }
@@ -225,7 +225,7 @@ void run_pair(const Attrs& a, const Dims& d, const Tensors<QT, CT>& x, int64_t b
       }
       for (int64_t i = 0; i < Dv; ++i) out[i] = from_f<QT>(acc[i]);
     }
-    if (peak)
+    if (is_peak)
       for (int64_t j = 0; j < S; ++j) w.mass[j] = std::max(w.mass[j], into[j]);
   }
 
@@ -237,7 +237,7 @@ void run_pair(const Attrs& a, const Dims& d, const Tensors<QT, CT>& x, int64_t b
   for (int64_t j = 0; j < S; ++j) {
     const int64_t p = w.pos[j];
     const float carried = j < C ? (a.decay < 1.f ? score_cache[j] * carry : score_cache[j]) : 0.f;
-    w.scores[j] = peak ? std::max(carried, w.mass[j]) : carried + w.mass[j];
+    w.scores[j] = is_peak ? std::max(carried, w.mass[j]) : carried + w.mass[j];
     float key;
     if (a.policy == 0)
       key = a.score == 1 ? w.scores[j] / static_cast<float>(std::max<int64_t>(newest - p + 1, 1)) : w.scores[j];

@@ -96,7 +96,7 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
   }
   __syncthreads();
   const int64_t newest = newest_s;
-  const bool peak = a.score == 2;
+  const bool is_peak = a.score == 2;
   for (int64_t j = tid; j < S; j += kThreads) {
     mass[j] = 0.f;
     if (!a.rolling) continue;
@@ -134,8 +134,8 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
     const float weight = a.decay < 1.f ? powf(a.decay, static_cast<float>(imax(newest - qp, 0))) : 1.f;
     // score="max": the query's probabilities summed over the group's heads in prio, then the max into mass. Each
     // thread owns the same entries j in every loop, so the buffer needs no barrier of its own.
-    float* into = peak ? prio : mass;
-    if (peak) for (int64_t j = tid; j < S; j += kThreads) into[j] = 0.f;
+    float* into = is_peak ? prio : mass;
+    if (is_peak) for (int64_t j = tid; j < S; j += kThreads) into[j] = 0.f;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t head = h * G + g;
       QT* out = x.out + ((b * d.Hq + head) * T + t) * Dv;
@@ -185,14 +185,14 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
       }
       __syncthreads();
     }
-    if (peak) for (int64_t j = tid; j < S; j += kThreads) mass[j] = fmaxf(mass[j], into[j]);
+    if (is_peak) for (int64_t j = tid; j < S; j += kThreads) mass[j] = fmaxf(mass[j], into[j]);
   }
   // Scores and eviction priority (larger stays), as the CPU kernel.
   const float carry = a.decay < 1.f ? powf(a.decay, static_cast<float>(n_valid_s)) : 1.f;
   for (int64_t j = tid; j < S; j += kThreads) {
     const int64_t p = pos(j);
     const float carried = j < C ? (a.decay < 1.f ? x.score_cache[pair * C + j] * carry : x.score_cache[pair * C + j]) : 0.f;
-    const float score = peak ? fmaxf(carried, mass[j]) : carried + mass[j];
+    const float score = is_peak ? fmaxf(carried, mass[j]) : carried + mass[j];
     mass[j] = score;
     float k = a.policy == 0 ? (a.score == 1 ? score / static_cast<float>(imax(newest - p + 1, 1)) : score)
               : a.policy == 3 ? random_priority(p, a.seed) : static_cast<float>(p);
