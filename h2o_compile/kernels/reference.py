@@ -116,15 +116,13 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: 
         probs.masked_fill_(hidden, 0.0)
         outs.append(torch.matmul(probs.view(b, hkv, group * (t1 - t0), s), values[:, :, :s])
                     .view(b, hkv, group, t1 - t0, -1))
+        per_query = probs.sum(dim=2)                                             # [B, Hkv, tc, s]
+        if query_weight is not None:
+            per_query = per_query * query_weight[:, None, t0:t1, None].float()
         if peak:
-            per_query = probs.sum(dim=2)                                         # [B, Hkv, tc, s]
-            if query_weight is not None:
-                per_query = per_query * query_weight[:, None, t0:t1, None].float()
             mass[..., :s] = torch.maximum(mass[..., :s], per_query.amax(dim=2))
-        elif query_weight is None:
-            mass[..., :s] += probs.sum(dim=(2, 3))
         else:
-            mass[..., :s] += (probs.sum(dim=2) * query_weight[:, None, t0:t1, None].float()).sum(dim=2)
+            mass[..., :s] += per_query.sum(dim=2)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)                  # [B, Hkv, G, T, Dv]
     return out.reshape(b, hq, t, values.shape[-1]).to(q.dtype), mass
 

@@ -14,6 +14,9 @@ from .tasks import TaskSample, max_new_tokens
 # Score-rule presets by name (DESIGN.md section 2 "Score rules"); "+" joins options: "mean+window=64+pool=5".
 RULE_PRESETS = {"sum": {}, "mean": {"score": "mean"}, "max": {"score": "max"}, "tova": {"score_decay": 0.0},
                 "snapkv": {"prompt_window": 64, "prompt_pool": 5}}
+# Options with a value, name=V: the H2OConfig field each sets and how its value is read.
+RULE_FIELDS = {"decay": ("score_decay", float), "window": ("prompt_window", int), "pool": ("prompt_pool", int),
+               "recent": ("recent_ratio", float), "global": ("global_share", float)}
 
 
 def parse_rule_option(text: str) -> dict:
@@ -22,15 +25,14 @@ def parse_rule_option(text: str) -> dict:
     global=S: global_share, with compress_sliding). A ValueError names the bad part; H2OConfig checks the
     values."""
     options: dict = {}
-    fields = {"decay": ("score_decay", float), "window": ("prompt_window", int), "pool": ("prompt_pool", int),
-              "recent": ("recent_ratio", float), "global": ("global_share", float)}
     for part in text.split("+"):
         name, _, value = part.partition("=")
         try:
             if part in RULE_PRESETS:
                 given = dict(RULE_PRESETS[part])
-            elif name in fields:
-                given = {fields[name][0]: fields[name][1](value)}
+            elif name in RULE_FIELDS:
+                field_name, read = RULE_FIELDS[name]
+                given = {field_name: read(value)}
             else:
                 raise ValueError
         except ValueError:
