@@ -9,11 +9,11 @@ on every attention kind), computed differently:
    heads once they evicted different keys, is a [tc, s] bias broadcast over the group.
 2. Only when the eviction rule reads scores (``need_mass``): a block without padding (a prompt, a chunk of one,
    each row of a left-padded batch; any window) takes the one-pass op of native_cpu.py, which keeps each
-   query tile's probabilities in cache for both the output and the column sums (no second q.k product); so
-   does a window layer's block whose rule reads no scores. Where that op cannot be built, and for the peak
-   mass of ``score="max"`` (the op sums its columns), the fused kernel and then a second pass over the same
-   query chunks, mass[p] = sum over t (the max over t for a peak) of w_t sum_g exp(q_t . k_p x scale - lse_t),
-   in fp32 and never more than one chunk of logits.
+   query tile's probabilities in cache for both the output and the column sums, or the column maxima of the
+   group's per-query sums for the peak of ``score="max"`` (no second q.k product); so does a window layer's
+   block whose rule reads no scores. Where that op cannot be built, the fused kernel and then a second pass
+   over the same query chunks, mass[p] = sum over t (the max over t for a peak) of
+   w_t sum_g exp(q_t . k_p x scale - lse_t), in fp32 and never more than one chunk of logits.
 
 Learned sink logits fold into the log-sum-exp: lse' = logaddexp(lse, s), and out' = out x exp(lse - lse'),
 because the sink only adds to the denominator. Soft-capping has no fused form: ``supports`` declines it and
@@ -98,15 +98,13 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     unpadded = new_from is not None and bool(query_valid.all())  # (a host check, fine in an eager prefill)
     # The one-pass op where a rule reads the mass, and on a window layer whatever the rule: it computes only the
     # window's columns per query tile, which beats the masked fused kernel in chunks even without the mass
-    # (Gemma 3's W = 512 layers at 1024 tokens: 16 vs 35 ms). Zero weights then skip the column sums. The op sums
-    # its columns: a peak mass (score="max") comes from the second pass below.
-    one_pass_mass = need_mass and not peak
-    if unpadded and (one_pass_mass or (window > 0 and not need_mass)) and native_cpu.available():
-        weight = query_weight if one_pass_mass else torch.zeros(b, t)
+    # (Gemma 3's W = 512 layers at 1024 tokens: 16 vs 35 ms). Zero weights then skip the column sums.
+    if unpadded and (need_mass or window > 0) and native_cpu.available():
+        weight = query_weight if need_mass else torch.zeros(b, t)
         # The cache as stored (the op computes in fp32): no rounding of an fp32 cache to the queries' dtype.
         out, mass = _one_pass(qf, keys.reshape(b * hkv, s_all, d), values.reshape(b * hkv, s_all, dv),
                               kpos_all[:, 0, 0, :new_from], qpos_all.view(b * hkv, t), window, scale, sink_logits,
-                              weight)
+                              weight, peak)
         return out.reshape(b, hq, t, dv), mass.reshape(b, hkv, s_all)
     # Otherwise a block without padding or window (a prompt, a chunk of one): the causal kernel over its own keys
     # plus one masked call over the cache, merged by their LSEs. The causal kernel skips the future half, which a
@@ -140,8 +138,9 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
 
 
 def _one_pass(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tensor, positions: Tensor, window: int, scale: float,
-              sink_logits: Optional[Tensor], query_weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """An unpadded block's output and mass through native_cpu (one q.k product).
+              sink_logits: Optional[Tensor], query_weight: Optional[Tensor], peak: bool
+              ) -> tuple[Tensor, Tensor]:
+    """An unpadded block's output and mass (its peak with ``peak``) through native_cpu (one q.k product).
 
     qf: [N, G, T, D]; kf: [N, C + T, D]; vf: [N, C + T, Dv]; cache_pos: [N, C] (-1 = empty); positions: [N, T]
     (each KV head's row of the block's positions); sink_logits: [Hq]; query_weight: [B, T].
@@ -156,9 +155,10 @@ def _one_pass(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tensor, positions: 
         weight = query_weight.float()[:, None, :].expand(-1, n // query_weight.shape[0], -1).reshape(n, t)
     if cap and not bool((cache_pos >= 0).any()):  # a first prompt: nothing cached, so no cache columns at all
         out, mass = native_cpu.causal_attend_with_mass(qf, kf[:, cap:], vf[:, cap:], cache_pos[:, :0], positions,
-                                                           window, scale, sink, weight)
+                                                           window, scale, sink, weight, peak=peak)
         return out, torch.cat([mass.new_zeros(n, cap), mass], dim=1)
-    return native_cpu.causal_attend_with_mass(qf, kf, vf, cache_pos, positions, window, scale, sink, weight)
+    return native_cpu.causal_attend_with_mass(qf, kf, vf, cache_pos, positions, window, scale, sink, weight,
+                                              peak=peak)
 
 
 def _left_padding(query_valid: Tensor) -> Optional[list[int]]:

@@ -4,7 +4,8 @@ loaded as ``torch.ops.h2o_cpu.*``:
 - ``causal_attend_with_mass`` (prefill_mass.cc): a block's causal attention and each key's mass in one pass.
   torch's fused CPU attention returns the output and each query's log-sum-exp but not the probabilities, so a
   rule that reads scores pays a second q.k product over the causal triangle (cpu_prefill._key_mass); this op
-  keeps each tile of queries' probabilities in cache and reads them twice: the P.V product and the column sums.
+  keeps each tile of queries' probabilities in cache and reads them twice: the P.V product and the column sums
+  (or, for ``score="max"``, each query's sum over its group's heads and then the column maximum).
 - ``attend_decode`` (decode_attend.cc): the decode step's attention and mass (``reference.attend_decode``) in
   one call per layer instead of about fifteen small eager operators, whose dispatch costs more than their
   arithmetic at decode sizes.
@@ -101,7 +102,8 @@ def disabled():
 
 
 def causal_attend_with_mass(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tensor, query_pos: Tensor, window: int,
-                            scale: float, sink: Optional[Tensor], weight: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+                            scale: float, sink: Optional[Tensor], weight: Optional[Tensor], *, peak: bool = False
+                            ) -> tuple[Tensor, Tensor]:
     """A block's attention over its C cached and T own keys, and each key's mass, in one pass.
 
     Args:
@@ -111,13 +113,15 @@ def causal_attend_with_mass(qf: Tensor, kf: Tensor, vf: Tensor, cache_pos: Tenso
         window W (0 = none); sink: [N, G] learned sink logits or None; weight: [N, T] fp32 query weights or None.
     Returns:
         out [N, G, T, Dv] in qf's dtype and mass [N, C + T] fp32: sum over the G heads and the T queries of
-        weight x probability. Computed in fp32 whatever the input dtype.
+        weight x probability; with ``peak`` (``score="max"``) the maximum over the T queries of weight x the
+        probability summed over the G heads. Computed in fp32 whatever the input dtype.
     Raises RuntimeError naming the reason when the op could not be built (see ``available``).
     """
     if not available():
         raise RuntimeError(f"the native CPU ops are unavailable: {_state['why']}")
     out, mass = torch.ops.h2o_cpu.causal_attend_with_mass(qf.float(), kf.float(), vf.float(), cache_pos, query_pos,
-                                                          window, scale, sink, weight, QUERY_TILE)
+                                                          window, scale, sink, weight, QUERY_TILE,
+                                                          peak)
     return out.to(qf.dtype), mass
 
 

@@ -56,8 +56,7 @@ def mass_path(request, monkeypatch):
 def test_fused_prefill_equals_the_spec(shape, kind, mass_path):
     """One pass: every unpadded block (or row) through the native op. Two passes: padding or a window take the
     masked kernel in query chunks, a block without either the causal kernel plus one masked call over the
-    cache (an empty cache when C = 0), then the mass pass. A peak mass (``score="max"``) always takes the
-    mass pass."""
+    cache (an empty cache when C = 0), then the mass pass (a sum, or for ``score="max"`` a peak)."""
     q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, pad="no padding" not in kind)
     if "empty cache" in kind:  # a prompt's first block: each query chunk attends over its window's span only
         key_pos[..., :shape[4]] = -1
@@ -129,27 +128,28 @@ def _record_one_pass_calls(monkeypatch) -> list:
     calls = []
     real = native_cpu.causal_attend_with_mass
 
-    def recording(qf, kf, *args):
+    def recording(qf, kf, *args, **kwargs):
         calls.append((qf.shape[2], kf.shape[1]))
-        return real(qf, kf, *args)
+        return real(qf, kf, *args, **kwargs)
 
     monkeypatch.setattr(native_cpu, "causal_attend_with_mass", recording)
     return calls
 
 
-@pytest.mark.parametrize("need_mass", [True, False])
-def test_a_left_padded_batch_takes_the_causal_kernel_row_by_row(monkeypatch, mass_path, need_mass):
+@pytest.mark.parametrize("mass_kind", ["sum", "peak", "none"])
+def test_a_left_padded_batch_takes_the_causal_kernel_row_by_row(monkeypatch, mass_path, mass_kind):
     """Prompts of different lengths, left-padded into one block (a serving batch): each row's valid suffix
-    as a causal block of its own (the one-pass op when a rule reads the mass, else torch's causal kernel),
-    none through a mask over the whole prefix; the spec's outputs and mass."""
+    as a causal block of its own (the one-pass op when a rule reads the mass, its sum or its peak, else torch's
+    causal kernel), none through a mask over the whole prefix; the spec's outputs and mass."""
     shape = (3, 4, 2, 300, 0, 16)
     q, keys, values, key_pos, positions, valid = _inputs(shape, torch.float32, seed=6)
+    need_mass, peak = mass_kind != "none", mass_kind == "peak"
     one_pass = need_mass and mass_path == "one pass"
     calls = _record_one_pass_calls(monkeypatch) if one_pass else _record_fused_calls(monkeypatch)
     out, mass = cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, 0.3, new_from=0,
-                                        need_mass=need_mass)
+                                        need_mass=need_mass, peak=peak)
     monkeypatch.undo()
-    want_out, want_mass = reference.attend(q, keys, values, key_pos, positions, valid, 0.3, new_from=0)
+    want_out, want_mass = reference.attend(q, keys, values, key_pos, positions, valid, 0.3, new_from=0, peak=peak)
     torch.testing.assert_close(out, want_out, rtol=2e-5, atol=2e-5)
     if need_mass:
         torch.testing.assert_close(mass, want_mass, rtol=1e-4, atol=1e-4)

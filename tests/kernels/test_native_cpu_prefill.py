@@ -18,9 +18,9 @@ needs_compiler = pytest.mark.skipif(not has_compiler(), reason="no C++ compiler:
 SHAPES = [(3, 2, 150, 40, 32), (2, 4, 70, 0, 16), (1, 1, 1, 5, 8), (2, 3, 129, 3, 64), (1, 4, 65, 20, 256)]
 
 
-def _brute_force(q, k, v, cache_pos, query_pos, window, scale, sink, weight):
+def _brute_force(q, k, v, cache_pos, query_pos, window, scale, sink, weight, peak=False):
     """Every logit in float64, the visibility written out from positions, softmax with the sink as one more
-    column."""
+    column; the mass sums (``peak``: takes the maximum of) each query's weighted sum over the group's heads."""
     n, g, t, _ = q.shape
     logits = torch.einsum("ngtd,nsd->ngts", q.double(), k.double()) * scale
     key_pos = torch.cat([cache_pos, query_pos], dim=1)[:, None, :]                  # [N, 1, S]
@@ -33,7 +33,9 @@ def _brute_force(q, k, v, cache_pos, query_pos, window, scale, sink, weight):
                 else sink.double()[:, :, None, None].expand(n, g, t, 1))
     probs = torch.softmax(torch.cat([logits, sink_col], dim=-1), dim=-1)[..., :-1]
     w = torch.ones(n, t, dtype=torch.float64) if weight is None else weight.double()
-    return torch.einsum("ngts,nsd->ngtd", probs, v.double()), (probs * w[:, None, :, None]).sum(dim=(1, 2))
+    per_query = probs.sum(dim=1) * w[:, :, None]                                    # [N, T, S]
+    mass = per_query.amax(dim=1) if peak else per_query.sum(dim=1)
+    return torch.einsum("ngts,nsd->ngtd", probs, v.double()), mass
 
 
 def _positions(n, t, cap, gen, *, in_block=False):
@@ -51,7 +53,8 @@ def _positions(n, t, cap, gen, *, in_block=False):
 @pytest.mark.parametrize("window", [0, 6, 40])
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("weights", [None, "random", "last 5"])
-def test_one_pass_equals_the_float64_softmax(shape, window, sinks, weights):
+@pytest.mark.parametrize("peak", [False, True], ids=["sum", "peak"])
+def test_one_pass_equals_the_float64_softmax(shape, window, sinks, weights, peak):
     n, g, t, cap, d = shape
     gen = torch.Generator().manual_seed(sum(shape) + window)
     q, k, v = (torch.randn(n, g, t, d, generator=gen), torch.randn(n, cap + t, d, generator=gen),
@@ -61,8 +64,8 @@ def test_one_pass_equals_the_float64_softmax(shape, window, sinks, weights):
     weight = {None: None, "random": torch.rand(n, t, generator=gen),
               "last 5": (torch.arange(t) >= t - 5).float().expand(n, t)}[weights]
     args = (cache_pos, query_pos, window, d ** -0.5, sink, weight)
-    out, mass = native_cpu.causal_attend_with_mass(q, k, v, *args)
-    want_out, want_mass = _brute_force(q, k, v, *args)
+    out, mass = native_cpu.causal_attend_with_mass(q, k, v, *args, peak=peak)
+    want_out, want_mass = _brute_force(q, k, v, *args, peak=peak)
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
     assert not mass[:, :cap][cache_pos < 0].any()  # an empty slot gets exactly nothing
@@ -123,15 +126,15 @@ def test_the_library_is_built_once_per_torch_and_source():
 
 
 @needs_compiler
-@pytest.mark.parametrize("policy,window,taken", [("h2o", 0, True), ("sink", 0, False), ("local", 0, False),
-                                                  ("h2o", 8, True), ("sink", 8, True)])
+@pytest.mark.parametrize("policy,window,taken", [("h2o", 0, True), ("h2o;score=max", 0, True), ("sink", 0, False),
+                                                  ("local", 0, False), ("h2o", 8, True), ("sink", 8, True)])
 def test_the_op_prefill_takes_the_one_pass_where_a_rule_reads_the_mass(monkeypatch, policy, window, taken):
-    """A first prompt through the whole H2O op: the paper's rule (scores read) through the one-pass op, the rules
-    that read none through torch's causal kernel alone, except on a window layer (the one-pass op is faster
-    there either way)."""
+    """A first prompt through the whole H2O op: the paper's rule and the peak (scores read) through the one-pass
+    op, the rules that read none through torch's causal kernel alone, except on a window layer (the one-pass op
+    is faster there either way)."""
     calls = []
     real = native_cpu.causal_attend_with_mass
-    monkeypatch.setattr(native_cpu, "causal_attend_with_mass", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(native_cpu, "causal_attend_with_mass", lambda *a, **k: calls.append(1) or real(*a, **k))
     gen = torch.Generator().manual_seed(2)
     q, k, v = torch.randn(1, 4, 40, 16, generator=gen), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     positions, valid = torch.arange(40)[None], torch.ones(1, 40, dtype=torch.bool)

@@ -1,18 +1,19 @@
 // The causal prefill of a block with each key's attention mass, in one pass over the logits.
 //
-// torch's fused CPU attention never materialises the probabilities, so the paper's rule (every prompt query
-// adds its attention to every key's score) costs it a second q.k product over the causal triangle. This op
-// computes, per (KV head n, query head g, tile of queries), the tile's logits against every key it can see
-// into a buffer that stays in cache, normalises them once, and reads that buffer twice: the P.V product for
-// the output and a weighted column sum for the mass. One q.k product, one exponential per logit.
+// torch's fused CPU attention never materialises the probabilities, so a rule that reads scores (every prompt
+// query adds its attention to every key's score) costs it a second q.k product over the causal triangle. This
+// op computes, per (KV head n, tile of queries) and each query head g of the group, the tile's logits against
+// every key it can see into a buffer that stays in cache, normalises them once, and reads that buffer twice:
+// the P.V product for the output and the mass. One q.k product, one exponential per logit.
 //
 // Semantics (kernels/reference.py `attend`, the executable spec, restricted to what the caller routes here: a
 // block without padding, its positions increasing, no soft-capping; W the layer's window, 0 = none):
 //   query t (position P_t) sees cache slot j < C holding position p_j >= 0 when p_j <= P_t and, with a
 //   window, p_j > P_t - W; and the block's key i (position P_i) when i <= t and, with a window, P_i > P_t - W;
-//   out[n, g, t]  = sum_j p_tj v_j,  p_tj = exp(l_tj - lse_t),  l_tj = scale q_t . k_j,
-//   lse_t         = log(sum_j exp(l_tj) + exp(sink[n, g]))   (no sink term without sinks),
-//   mass[n, j]    = sum_g sum_t w[n, t] p_tj                    (w = 1 without weights).
+//   out[n, g, t]  = sum_j p_gtj v_j,  p_gtj = exp(l_gtj - lse_gt),  l_gtj = scale q_gt . k_j,
+//   lse_gt        = log(sum_j exp(l_gtj) + exp(sink[n, g]))   (no sink term without sinks),
+//   mass[n, j]    = sum_t w[n, t] sum_g p_gtj                   (w = 1 without weights), or with `peak`
+//   mass[n, j]    = max_t w[n, t] sum_g p_gtj                   (score="max": each query's group sum, its peak).
 // Everything in fp32 (the caller upcasts bf16 / fp16 and casts the output back).
 
 #include <ATen/ATen.h>
@@ -57,24 +58,30 @@ int64_t first_block_key(const int64_t* pos, int64_t t, int64_t window) {
 
 // One tile: queries [t0, t1) of query head g over KV head n, against key columns [lo, C + t1): every cache
 // slot when the cache has any (C > 0), then the block from the first key the tile's first query can see.
-// `logits` holds [t1 - t0, C + t1 - lo] floats; `acc` is this range's mass accumulator for head n ([S]). The
-// two products go through torch's BLAS (at::addmm_out / at::mm_out, one thread inside the parallel region) on
-// views of the inputs and the buffer.
-void attend_tile(const Inputs& in, int64_t n, int64_t g, int64_t t0, int64_t t1, float* logits, float* inv,
-                 float* acc) {
+// Writes the tile's output and leaves in `logits` ([t1 - t0, C + t1 - lo] floats) each row's unnormalised
+// probabilities (zero wherever the query sees nothing) and in `inv` the row's 1 / denominator. The two products
+// go through torch's BLAS (at::addmm_out / at::mm_out, one thread inside the parallel region) on views of the
+// inputs and the buffer.
+struct Tile {
+  int64_t t0, rows, lo, cols;
+  // The columns row r may see end here: the cache's, then the block's keys up to its own.
+  int64_t seen(const Inputs& in, int64_t r) const { return in.C + t0 + r + 1 - lo; }
+};
+
+Tile attend_tile(const Inputs& in, int64_t n, int64_t g, int64_t t0, int64_t t1, float* logits, float* inv) {
   const int64_t* qpos = in.query_pos + n * in.T;
   const int64_t* cpos = in.cache_pos + n * in.C;
   const int64_t lo = in.C > 0 ? 0 : first_block_key(qpos, t0, in.window);
-  const int64_t rows = t1 - t0, cols = in.C + t1 - lo;
-  const auto q = in.q[n][g].narrow(0, t0, rows);                                   // [rows, D]
-  auto logits_view = at::from_blob(logits, {rows, cols}, in.q.options());         // [rows, cols]
+  const Tile tile{t0, t1 - t0, lo, in.C + t1 - lo};
+  const auto q = in.q[n][g].narrow(0, t0, tile.rows);                              // [rows, D]
+  auto logits_view = at::from_blob(logits, {tile.rows, tile.cols}, in.q.options());  // [rows, cols]
   // scale x q.k (beta 0: the buffer's old contents are not read)
-  at::addmm_out(logits_view, logits_view, q, in.keys[n].narrow(0, lo, cols).t(), 0.0, in.scale);
+  at::addmm_out(logits_view, logits_view, q, in.keys[n].narrow(0, lo, tile.cols).t(), 0.0, in.scale);
   const float sink = in.sink ? in.sink[n * in.G + g] : kNegInf;
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < tile.rows; ++r) {
     const int64_t t = t0 + r, newest = qpos[t];
     const int64_t oldest = in.window > 0 ? newest - in.window : std::numeric_limits<int64_t>::min();
-    float* row = logits + r * cols;
+    float* row = logits + r * tile.cols;
     for (int64_t j = 0; j < in.C; ++j) {  // columns 0 .. C-1 are the cache's whenever it has any
       if (cpos[j] < 0 || cpos[j] > newest || cpos[j] <= oldest) row[j] = kNegInf;
     }
@@ -82,30 +89,62 @@ void attend_tile(const Inputs& in, int64_t n, int64_t g, int64_t t0, int64_t t1,
     // read as a logit, and zero probability for P.V).
     const int64_t hidden_end = in.C + first_block_key(qpos, t, in.window) - lo;
     std::fill(row + in.C, row + hidden_end, kNegInf);
-    const int64_t seen = in.C + t + 1 - lo;
-    std::fill(row + seen, row + cols, 0.f);
+    const int64_t seen = tile.seen(in, r);
+    std::fill(row + seen, row + tile.cols, 0.f);
     const float m = row_max(row, seen, sink);  // finite: the query sees at least itself
     float total = h2o_native::exp_in_place</*Fast=*/true>(row, seen, m);
     if (in.sink) total += std::exp(sink - m);  // a learned sink only adds to the denominator
     inv[r] = 1.f / total;
   }
-  auto o = in.out[n][g].narrow(0, t0, rows);                                        // [rows, Dv]
-  at::mm_out(o, logits_view, in.values[n].narrow(0, lo, cols));
+  auto o = in.out[n][g].narrow(0, t0, tile.rows);                                   // [rows, Dv]
+  at::mm_out(o, logits_view, in.values[n].narrow(0, lo, tile.cols));
   float* o_ptr = o.data_ptr<float>();
   const int64_t dv = o.size(1);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float c = inv[r];
-    for (int64_t d = 0; d < dv; ++d) o_ptr[r * dv + d] *= c;
-    // A zero weight adds exactly nothing (tested before the product: 0 x a non-finite c would not be zero).
-    const float w = in.weight ? in.weight[n * in.T + t0 + r] : 1.f;
-    if (w != 0.f) add_scaled(acc + lo, logits + r * cols, in.C + t0 + r + 1 - lo, w * c);
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    for (int64_t d = 0; d < dv; ++d) o_ptr[r * dv + d] *= inv[r];
+  }
+  return tile;
+}
+
+// A query's weight in the mass (1 without weights).
+float query_weight(const Inputs& in, int64_t n, int64_t t) { return in.weight ? in.weight[n * in.T + t] : 1.f; }
+
+// The paper's sum: one tile of one query head adds w_t p_gtj to the mass `acc` ([S]) of its KV head.
+void sum_tile(const Inputs& in, int64_t n, int64_t g, int64_t t0, int64_t t1, float* logits, float* inv,
+              float* acc) {
+  const Tile tile = attend_tile(in, n, g, t0, t1, logits, inv);
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    // A zero weight adds exactly nothing (tested before the product: 0 x a non-finite 1 / total would not be).
+    const float w = query_weight(in, n, t0 + r);
+    if (w != 0.f) add_scaled(acc + tile.lo, logits + r * tile.cols, tile.seen(in, r), w * inv[r]);
+  }
+}
+
+// The peak: the group's G query heads of one tile in turn, each query's probabilities summed over them in
+// `group_sum` ([t1 - t0, C + t1 - lo]), then acc[j] = max(acc[j], w_t x that sum) row by row. A peak needs
+// every head of a query before it can compare queries, hence one work item per (n, tile), not per (n, g, tile).
+void peak_tile(const Inputs& in, int64_t n, int64_t t0, int64_t t1, float* logits, float* inv, float* group_sum,
+               float* acc) {
+  Tile tile{};
+  for (int64_t g = 0; g < in.G; ++g) {
+    tile = attend_tile(in, n, g, t0, t1, logits, inv);
+    if (g == 0) std::fill(group_sum, group_sum + tile.rows * tile.cols, 0.f);
+    for (int64_t r = 0; r < tile.rows; ++r) {
+      if (query_weight(in, n, t0 + r) != 0.f) {
+        add_scaled(group_sum + r * tile.cols, logits + r * tile.cols, tile.seen(in, r), inv[r]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < tile.rows; ++r) {
+    const float w = query_weight(in, n, t0 + r);
+    if (w != 0.f) h2o_native::max_scaled(acc + tile.lo, group_sum + r * tile.cols, tile.seen(in, r), w);
   }
 }
 
 std::tuple<at::Tensor, at::Tensor> causal_attend_with_mass(
     const at::Tensor& q_in, const at::Tensor& keys_in, const at::Tensor& values_in, const at::Tensor& cache_pos_in,
     const at::Tensor& query_pos_in, int64_t window, double scale, const std::optional<at::Tensor>& sink_in,
-    const std::optional<at::Tensor>& weight_in, int64_t query_tile) {
+    const std::optional<at::Tensor>& weight_in, int64_t query_tile, bool peak) {
   TORCH_CHECK(q_in.dim() == 4 && keys_in.dim() == 3 && values_in.dim() == 3 && cache_pos_in.dim() == 2 &&
                   query_pos_in.dim() == 2,
               "causal_attend_with_mass: q [N, G, T, D], keys [N, C+T, D], values [N, C+T, Dv], cache_pos [N, C], "
@@ -139,28 +178,34 @@ std::tuple<at::Tensor, at::Tensor> causal_attend_with_mass(
   const Inputs in{q, keys, values, out, cache_pos.data_ptr<int64_t>(), qp,
                   sink ? sink->data_ptr<float>() : nullptr, weight ? weight->data_ptr<float>() : nullptr,
                   G, T, C, window, static_cast<float>(scale)};
-  // Each range of work items (a thread's share) sums the mass of the KV heads it touches into its own
-  // buffer; the buffers are added in the order of their ranges afterwards: no shared writes, no dependence on
-  // the OpenMP runtime's thread numbering, and the same sum for the same thread count on every run.
+  // Each range of work items (a thread's share) gathers the mass of the KV heads it touches in its own
+  // buffer; the buffers are combined (added, or for a peak their maximum taken) in the order of their ranges
+  // afterwards: no shared writes, no dependence on the OpenMP runtime's thread numbering, and the same result
+  // for the same thread count on every run.
   struct RangeMass {
     int64_t begin, first_head;
-    std::vector<float> mass;  // [heads in the range, S]
+    std::vector<float> mass;  // [KV heads in the range, S]
   };
   std::vector<RangeMass> ranges;
   std::mutex ranges_lock;
-  const int64_t tiles = (T + query_tile - 1) / query_tile, per_head = G * tiles;
+  // Work items: (n, g, tile) for the sum, (n, tile) for the peak (its tile walks the group's heads itself).
+  const int64_t tiles = (T + query_tile - 1) / query_tile, per_head = (peak ? 1 : G) * tiles;
   at::parallel_for(0, N * per_head, 1, [&](int64_t begin, int64_t end) {
     const int64_t first_head = begin / per_head, heads = (end - 1) / per_head - first_head + 1;
     RangeMass local{begin, first_head, std::vector<float>(heads * S, 0.f)};
-    std::vector<float> logits(query_tile * S), inv(query_tile);
+    std::vector<float> logits(query_tile * S), inv(query_tile), group_sum(peak ? query_tile * S : 0);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t head = item / tiles, i = item % tiles;
+      const int64_t n = item / per_head, i = item % tiles;
       // Tiles in the order first, last, second, second-to-last, ...: a causal tile's cost grows with its
       // index, so every contiguous range of items (one thread's share) holds light and heavy ones alike.
       const int64_t tile = i % 2 == 0 ? i / 2 : tiles - 1 - i / 2;
-      const int64_t n = head / G, g = head % G, t0 = tile * query_tile;
-      attend_tile(in, n, g, t0, std::min(T, t0 + query_tile), logits.data(), inv.data(),
-                  local.mass.data() + (n - first_head) * S);
+      const int64_t t0 = tile * query_tile, t1 = std::min(T, t0 + query_tile);
+      float* acc = local.mass.data() + (n - first_head) * S;
+      if (peak) {
+        peak_tile(in, n, t0, t1, logits.data(), inv.data(), group_sum.data(), acc);
+      } else {
+        sum_tile(in, n, item % per_head / tiles, t0, t1, logits.data(), inv.data(), acc);
+      }
     }
     std::lock_guard<std::mutex> guard(ranges_lock);
     ranges.push_back(std::move(local));
@@ -171,7 +216,9 @@ std::tuple<at::Tensor, at::Tensor> causal_attend_with_mass(
   float* mass_ptr = mass.data_ptr<float>();
   for (const RangeMass& range : ranges) {
     float* dst = mass_ptr + range.first_head * S;
-    for (size_t j = 0; j < range.mass.size(); ++j) dst[j] += range.mass[j];
+    for (size_t j = 0; j < range.mass.size(); ++j) {
+      dst[j] = peak ? std::max(dst[j], range.mass[j]) : dst[j] + range.mass[j];
+    }
   }
   return {out, mass};
 }
@@ -180,7 +227,8 @@ std::tuple<at::Tensor, at::Tensor> causal_attend_with_mass(
 
 TORCH_LIBRARY_FRAGMENT(h2o_cpu, m) {
   m.def("causal_attend_with_mass(Tensor q, Tensor keys, Tensor values, Tensor cache_pos, Tensor query_pos, "
-        "int window, float scale, Tensor? sink, Tensor? weight, int query_tile) -> (Tensor, Tensor)");
+        "int window, float scale, Tensor? sink, Tensor? weight, int query_tile, bool peak=False) -> "
+        "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(h2o_cpu, CPU, m) { m.impl("causal_attend_with_mass", &causal_attend_with_mass); }

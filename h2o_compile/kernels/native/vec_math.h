@@ -64,6 +64,16 @@ inline void add_scaled(float* acc, const float* row, int64_t n, float c) {
   for (; j < n; ++j) acc[j] += c * row[j];
 }
 
+// acc[j] = max(acc[j], c * row[j])
+inline void max_scaled(float* acc, const float* row, int64_t n, float c) {
+  const Vec coef(c);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    at::vec::maximum(Vec::loadu(acc + j), coef * Vec::loadu(row + j)).store(acc + j);
+  }
+  for (; j < n; ++j) acc[j] = std::max(acc[j], c * row[j]);
+}
+
 // sum_j a[j] b[j]
 inline float dot(const float* a, const float* b, int64_t n) {
   Vec acc(0.f);
