@@ -224,7 +224,7 @@ def main(argv=None) -> int:
     from h2o_compile.zoo.loading import load_local
 
     model, tokenizer = load_local(args.model)
-    model.config._attn_implementation = "eager"     # the hooks read each layer's attention probabilities
+    model.set_attn_implementation("eager")          # the hooks read each layer's attention probabilities
     full_layers = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
     seqs = token_windows(tokenizer, [read_tail(args.text, args.tail)], args.seq_len, args.num_seqs)
     configs = [("full", None)] if "full" in names else []

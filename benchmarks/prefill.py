@@ -65,7 +65,7 @@ def contenders(model, policies):
 @torch.no_grad()
 def measure(model_name: str, lengths, batches, policies, repeats: int, log=print) -> list[dict]:
     model = load(model_name)
-    model.config._attn_implementation = "sdpa"
+    model.set_attn_implementation("sdpa")
     runs = contenders(model, policies)
     vocab = model.config.get_text_config().vocab_size
     rows = []
@@ -102,7 +102,7 @@ sys.path.insert(0, {str(ROOT)!r})
 sys.argv = ['x']
 from benchmarks.prefill import load, contenders
 from h2o_compile.bench.machine import peak_rss_kib, reset_peak_rss
-model = load({model_name!r}); model.config._attn_implementation = 'sdpa'
+model = load({model_name!r}); model.set_attn_implementation('sdpa')
 policies = [{contender.split('-', 1)[1].split('@')[0]!r}] if {contender!r} != 'transformers-sdpa' else []
 run = contenders(model, policies)[{contender!r}]
 prompt = torch.randint(1, model.config.get_text_config().vocab_size, ({batch}, {length}))

@@ -73,9 +73,9 @@ class H2OModel(nn.Module):
         self.plan: Optional[CachePlan] = None         # the state of the last reset()
         self._fed = 0
         self._warned_positions = False
-        # Sinks per layer, policy and seed are the same for every request: constants of the graph, set once.
+        # Sinks and rule per layer, and the seed, are the same for every request: constants of the graph, set once.
         set_h2o_params(self.graph, sinks=[config.layer_sinks(spec.window) for spec in layers],
-                       policy=config.rule.spec, seed=config.seed)
+                       policy=[config.rule_for(spec.window).spec for spec in layers], seed=config.seed)
         # What eager calls run: the graph with its rotary tables (rolling / capped positions) computed once per
         # table size; the compiled step derives from self.graph and fuses them instead.
         self._eager_graph = cache_rotary_tables(self.graph)
@@ -421,7 +421,7 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
              seed: int = 0, compress_sliding: bool = False, global_share: float = 1.0, positions: str = "true",
              max_distance: Optional[int] = None, score: str = "sum",
              score_decay: float = 1.0, prompt_window: Optional[int] = None, prompt_pool: int = 1,
-             kv_dtype: str = "model", compile: Union[str, bool] = "auto",
+             kv_dtype: str = "model", sliding_score: Optional[str] = None, compile: Union[str, bool] = "auto",
              regional_compile: bool = False) -> H2OModel:
     """Turn a transformers causal LM into an :class:`H2OModel` whose KV cache keeps ``budget`` of the sequence.
 
@@ -429,8 +429,9 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
         budget: float in (0, 1] (fraction of prompt + new tokens) or int (cache slots).
         recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding, global_share, positions,
             max_distance: see :class:`H2OConfig`.
-        score, score_decay, prompt_window, prompt_pool: the score rule of policy ``h2o`` (:class:`H2OConfig`);
-            the defaults are the paper's.
+        score, score_decay, prompt_window, prompt_pool, sliding_score: the score rule of policy ``h2o``
+            (:class:`H2OConfig`; ``sliding_score`` the compressed sliding-window layers' own score); the
+            defaults are the paper's.
         kv_dtype: ``"model"`` or ``"int8"`` (kept keys and values as int8 with one scale per vector, about a
             quarter of the fp32 state; :class:`H2OConfig`).
         compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU) once
@@ -455,7 +456,8 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
     config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
                        prefill=prefill, seed=seed, compress_sliding=compress_sliding, global_share=global_share,
                        positions=positions, max_distance=max_distance, score=score, score_decay=score_decay,
-                       prompt_window=prompt_window, prompt_pool=prompt_pool, kv_dtype=kv_dtype)
+                       prompt_window=prompt_window, prompt_pool=prompt_pool, kv_dtype=kv_dtype,
+                       sliding_score=sliding_score)
     check_compile(compile)
     graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized,
                                         max_distance=config.max_distance)

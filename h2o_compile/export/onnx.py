@@ -104,13 +104,14 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
     return out, keys, values, scores, slots, new_key_scale, new_value_scale
 
 
-_RULE_FIELDS = ("global_share", "max_distance", "score", "score_decay", "prompt_window", "prompt_pool", "kv_dtype")
+_RULE_FIELDS = ("global_share", "max_distance", "score", "score_decay", "prompt_window", "prompt_pool", "kv_dtype",
+                "sliding_score")
 
 
 def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding=_UNSET,
                     positions=_UNSET, **rule_options) -> tuple[nn.Module, H2OConfig]:
     """An H2OModel lends its H2OConfig (explicit arguments win); a transformers model gets the defaults.
-    ``rule_options``: score, score_decay, prompt_window, prompt_pool (each _UNSET when not given)."""
+    ``rule_options``: score, score_decay, prompt_window, prompt_pool, sliding_score (each _UNSET when not given)."""
     from ..runtime import H2OModel
 
     given = {"budget": budget, "recent_ratio": recent_ratio, "sink_tokens": sink_tokens, "policy": policy,
@@ -139,13 +140,14 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
                 batch_size: int | None = None, policy=_UNSET, recent_ratio=_UNSET, sink_tokens=_UNSET,
                 prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, global_share=_UNSET, positions=_UNSET,
                 max_distance=_UNSET, score=_UNSET, score_decay=_UNSET, prompt_window=_UNSET, prompt_pool=_UNSET,
-                kv_dtype=_UNSET, opset: int = 18, tokenizer=None, op: str = "function") -> Path:
+                kv_dtype=_UNSET, sliding_score=_UNSET, opset: int = 18, tokenizer=None, op: str = "function"
+                ) -> Path:
     """Export ``model`` (a transformers causal LM or an :class:`H2OModel`) with its H2O cache to ``out_dir``.
 
     Args:
         budget, policy, recent_ratio, sink_tokens, prefill, seed, compress_sliding, global_share, positions,
-            max_distance, score, score_decay: as :class:`H2OConfig` (prompt_window and prompt_pool are declined:
-            the exported graph has no input marking the prompt block), kv_dtype
+            max_distance, score, score_decay, sliding_score: as :class:`H2OConfig` (prompt_window and
+            prompt_pool are declined: the exported graph has no input marking the prompt block), kv_dtype
             (default: the H2OModel's own settings, else H2OConfig's defaults). ``prefill`` is recorded for the
             ORT model.
         max_seq_len: the longest prompt + new tokens the export serves (default: the model's
@@ -169,7 +171,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
                                        compress_sliding, positions, global_share=global_share,
                                        max_distance=max_distance, score=score,
                                        score_decay=score_decay,
-                                       prompt_window=prompt_window, prompt_pool=prompt_pool, kv_dtype=kv_dtype)
+                                       prompt_window=prompt_window, prompt_pool=prompt_pool, kv_dtype=kv_dtype,
+                                       sliding_score=sliding_score)
     _check_op(op, config)
     if opset not in SUPPORTED_OPSETS:
         raise ValueError(f"opset={opset!r}; allowed: {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
@@ -197,7 +200,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype} is not supported by the ONNX export; use float32 or float16")
     plan = CachePlan.build(config, layers, limits, max_seq_len=max_seq_len)
-    set_h2o_params(graph, recent=plan.recent, sinks=plan.sinks, policy=config.rule.spec, seed=config.seed)
+    set_h2o_params(graph, recent=plan.recent, sinks=plan.sinks,
+                   policy=[config.rule_for(spec.window).spec for spec in layers], seed=config.seed)
 
     program = _export_program(graph, plan, batch_size, opset, function_body=op == "function")
     out_dir = Path(out_dir)
@@ -208,7 +212,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         "sink_tokens": config.sink_tokens, "seed": config.seed, "prefill": config.prefill,
         "compress_sliding": config.compress_sliding, "global_share": config.global_share,
         "positions": config.positions, "max_distance": config.position_cap(limits.max_positions) or None,
-        "score": config.score, "score_decay": config.score_decay, "kv_dtype": config.kv_dtype,
+        "score": config.score, "score_decay": config.score_decay, "sliding_score": config.sliding_score,
+        "kv_dtype": config.kv_dtype,
         "capacity": capacity, "recent": recent, "max_seq_len": max_seq_len, "batch_size": batch_size,
         "opset": opset, "op": op, "dtype": _DTYPES[dtype], "vocab_size": int(hf_model.config.vocab_size),
         "num_layers": len(layers),

@@ -112,21 +112,24 @@ def rewrite_attention(gm: GraphModule, sites: list[AttentionSite], *, functional
     return specs
 
 
-def set_h2o_params(gm: GraphModule, *, recent=None, sinks, policy: str, seed: int) -> int:
+def set_h2o_params(gm: GraphModule, *, recent=None, sinks, policy, seed: int) -> int:
     """Set the H2O constants of every h2o op node; returns how many nodes changed (recompiles if any).
 
-    ``recent`` and ``sinks``: one int for every layer, or a sequence with one per layer (graph order);
-    ``recent=None`` leaves the recent windows as they are (graph inputs, see :func:`runtime_recent_graph`)."""
+    ``recent``, ``sinks`` and ``policy`` (an ``EvictionRule.spec``): one value for every layer, or a sequence
+    with one per layer (graph order); ``recent=None`` leaves the recent windows as they are (graph inputs, see
+    :func:`runtime_recent_graph`)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_INPLACE, _FUNCTIONAL)]
     if recent is None:
         recent = [n.args[_PARAMS_AT] for n in nodes]
     recent = [recent] * len(nodes) if isinstance(recent, int) else list(recent)
     sinks = [sinks] * len(nodes) if isinstance(sinks, int) else list(sinks)
-    if not len(recent) == len(sinks) == len(nodes):
-        raise ValueError(f"{len(recent)} recent windows and {len(sinks)} sink counts for {len(nodes)} h2o ops")
+    policy = [policy] * len(nodes) if isinstance(policy, str) else list(policy)
+    if not len(recent) == len(sinks) == len(policy) == len(nodes):
+        raise ValueError(f"{len(recent)} recent windows, {len(sinks)} sink counts and {len(policy)} policies for "
+                         f"{len(nodes)} h2o ops")
     changed = 0
-    for node, layer_recent, layer_sinks in zip(nodes, recent, sinks):
-        params = (layer_recent, layer_sinks, policy, seed)
+    for node, layer_recent, layer_sinks, layer_policy in zip(nodes, recent, sinks, policy):
+        params = (layer_recent, layer_sinks, layer_policy, seed)
         if tuple(node.args[_PARAMS_AT:_PARAMS_END]) != params:
             node.args = node.args[:_PARAMS_AT] + params + node.args[_PARAMS_END:]
             changed += 1

@@ -16,14 +16,15 @@ RULE_PRESETS = {"sum": {}, "mean": {"score": "mean"}, "max": {"score": "max"}, "
                 "snapkv": {"prompt_window": 64, "prompt_pool": 5}}
 # Options with a value, name=V: the H2OConfig field each sets and how its value is read.
 RULE_FIELDS = {"decay": ("score_decay", float), "window": ("prompt_window", int), "pool": ("prompt_pool", int),
-               "recent": ("recent_ratio", float), "global": ("global_share", float)}
+               "recent": ("recent_ratio", float), "global": ("global_share", float),
+               "sliding": ("sliding_score", str)}
 
 
 def parse_rule_option(text: str) -> dict:
-    """'sum' | 'mean' | 'max' | 'tova' | 'snapkv' | 'decay=G' | 'window=W' | 'pool=K' | 'recent=R' | 'global=S',
-    joined by '+' -> H2OConfig keyword arguments (recent=R: the recent window's share of the cache, recent_ratio;
-    global=S: global_share, with compress_sliding). A ValueError names the bad part; H2OConfig checks the
-    values."""
+    """'sum' | 'mean' | 'max' | 'tova' | 'snapkv' | 'decay=G' | 'window=W' | 'pool=K' | 'recent=R' | 'global=S' |
+    'sliding=SCORE', joined by '+' -> H2OConfig keyword arguments (recent=R: the recent window's share of the
+    cache, recent_ratio; global=S: global_share, with compress_sliding; sliding=SCORE: sliding_score, the
+    sliding-window layers' own score). A ValueError names the bad part; H2OConfig checks the values."""
     options: dict = {}
     for part in text.split("+"):
         name, _, value = part.partition("=")
@@ -37,7 +38,7 @@ def parse_rule_option(text: str) -> dict:
                 raise ValueError
         except ValueError:
             raise ValueError(f"score rule {text!r}: cannot read {part!r}; use {', '.join(RULE_PRESETS)}, decay=G, "
-                             "window=W, pool=K, recent=R or global=S, joined by '+'") from None
+                             "window=W, pool=K, recent=R, global=S or sliding=SCORE, joined by '+'") from None
         twice = sorted(set(given) & set(options))
         if twice:  # e.g. "mean+max" or "tova+decay=0.9": the later part would silently win
             raise ValueError(f"score rule {text!r}: {part!r} sets {', '.join(twice)} a second time")

@@ -305,8 +305,8 @@ def run_training(
         raise ValueError(
             f"seq_len {cfg.seq_len} exceeds max_position_embeddings {config.max_position_embeddings}"
         )
-    config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).float()
+    model.set_attn_implementation("sdpa")
     n_params = sum(p.numel() for p in model.parameters())
 
     result = train_model(model, train_stream, heldout_stream, bos, cfg, log_path, progress_bar)

@@ -41,6 +41,10 @@ CASES = {
     # Slots by kind of layer: 12 on the full-attention layer, 6 on each sliding one (H2OConfig.global_share).
     "gemma3_global_share": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                        "global_share": 1.5}),
+    # A score per kind of layer: the peak on the full-attention layer, the decayed sum on the sliding ones.
+    "gemma3_score_per_kind": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
+                                         "global_share": 1.5, "score": "max", "sliding_score": "sum",
+                                         "score_decay": 0.8}),
     # Rolling positions: the rotary tables are computed in the graph, the function rotates by rank.
     "llama_rolling": ("llama", {"budget": 6, "sink_tokens": 1, "policy": "h2o", "positions": "rolling"}),
     "gpt_neox_rolling_partial_rotary": ("gpt_neox", {"budget": 9, "sink_tokens": 2, "policy": "sink",
@@ -178,6 +182,19 @@ def test_graph_has_the_h2o_function_and_optimum_names(exported):
     assert meta["policy"] == "h2o" and meta["max_seq_len"] == MAX_SEQ_LEN and meta["dtype"] == "float32"
     assert json.loads({p.key: p.value for p in proto.metadata_props}["h2o_compile"]) == meta
     assert (out / "config.json").is_file()
+
+
+def test_each_layer_carries_its_own_score(exported):
+    """sliding_score: the H2O nodes of the sliding layers (0 and 2) carry the sum (0), the full layer's the max
+    (2), with the shared decay; the metadata records both scores."""
+    _, out = exported("gemma3_score_per_kind")
+    proto = onnx.load(str(out / "model.onnx"))
+    attributes = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+                  for n in proto.graph.node if n.domain == DOMAIN]
+    assert [a["score"] for a in attributes] == [0, 2, 0]
+    assert all(abs(a["decay"] - 0.8) < 1e-6 for a in attributes)
+    meta = json.loads((out / "h2o_config.json").read_text())
+    assert (meta["score"], meta["sliding_score"]) == ("max", "sum")
 
 
 def test_plain_session_needs_no_custom_op_library(exported):

@@ -82,6 +82,7 @@ def test_bad_task_arguments_are_named(tiny, filler):
     ("global=2+decay=0.99", {"global_share": 2.0, "score_decay": 0.99}),
     ("max+decay=0.99+window=64+pool=21", {"score": "max", "score_decay": 0.99, "prompt_window": 64,
                                           "prompt_pool": 21}),
+    ("global=2+max+sliding=sum", {"global_share": 2.0, "score": "max", "sliding_score": "sum"}),
 ])
 def test_rule_options(text, want):
     assert parse_rule_option(text) == want

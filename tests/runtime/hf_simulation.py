@@ -84,15 +84,16 @@ def simulate_logits(model, input_ids, blocks, *, capacity, recent, sinks, policy
     the prompt. ``quantized``: kept keys and values are stored int8-rounded (kv_dtype="int8").
 
     ``layer_args(layer, window) -> dict(capacity=, recent=, sinks=)`` gives a layer its own cache size (for
-    sliding-window layers); by default every layer gets ``capacity``, ``recent`` and ``sinks``.
+    sliding-window layers), and with ``score=`` its own score; by default every layer gets ``capacity``,
+    ``recent``, ``sinks`` and ``score``.
     ``rolling``: rolling positions (keys rotated by their rank in the cache, module docstring), or with
     ``max_distance`` D > 0 by their true distance to the block's newest token capped at max(D, T - 1)."""
     _SIMS.clear()
     shared = dict(capacity=capacity, recent=recent, sinks=sinks)
 
-    def cache_args(layer, window):
-        return dict(**(layer_args(layer, window) if layer_args else shared), policy=policy, seed=seed,
-                    score=score, decay=decay, pool=pool, quantized=quantized, max_distance=max_distance)
+    def cache_args(layer, window):  # layer_args may also give the layer its own score
+        return dict(dict(policy=policy, seed=seed, score=score, decay=decay, pool=pool, quantized=quantized,
+                         max_distance=max_distance), **(layer_args(layer, window) if layer_args else shared))
 
     _SIMS.update(by_layer={}, cache_args=cache_args, prompt_window=prompt_window,
                  prompt_rule=prompt_window is not None or pool > 1,

@@ -111,6 +111,34 @@ def test_global_share_moves_slots_and_equals_simulation(name, budget, share, ful
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name,score,sliding_score", [
+    ("gemma3", "max", "sum"), ("gemma3", "sum", "max"), ("gemma3", "mean", "max"), ("gemma2", "max", "sum"),
+    ("gpt_oss", "max", "sum")])
+def test_a_score_per_kind_of_layer_equals_simulation(name, score, sliding_score):
+    """sliding_score: the compressed sliding-window layers evict by their own score, the full-attention layer
+    by ``score`` (decay shared, none with mean); the simulation with the scores per layer written out, which
+    differs from the same rule on every layer (else the test could not tell the two apart)."""
+    model = build(name, seed=1)
+    decay = 1.0 if "mean" in (score, sliding_score) else 0.9
+    opt = h2o_compile.optimize(model, budget=10, sink_tokens=1, compile=False, compress_sliding=True,
+                               global_share=1.6, score=score, sliding_score=sliding_score, score_decay=decay)
+    ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
+    blocks = [20] + [1] * (LENGTH - 20)
+
+    def simulated(sliding):
+        def layer_args(layer, window):
+            if window is None:
+                return dict(capacity=16, recent=8, sinks=1, score=score)
+            return dict(capacity=7, recent=4, sinks=1, score=sliding)
+
+        return simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
+                               layer_args=layer_args, decay=decay)
+
+    want = simulated(sliding_score)
+    torch.testing.assert_close(_run_blocks(opt, ids, blocks), want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(simulated(score), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("share", [1.0, 1.5], ids=["uniform", "global-share"])
 def test_compiled_decode_equals_eager_without_graph_breaks(name, share):
