@@ -140,12 +140,15 @@ def test_a_score_per_kind_of_layer_equals_simulation(name, score, sliding_score)
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("share", [1.0, 1.5], ids=["uniform", "global-share"])
-def test_compiled_decode_equals_eager_without_graph_breaks(name, share):
-    """global_share 1.5: 12 slots on the full-attention layer, 6 on the sliding ones, one compiled step."""
+@pytest.mark.parametrize("share,rule", [(1.0, {}), (1.5, {}), (1.5, dict(score="max", sliding_score="sum"))],
+                         ids=["uniform", "global-share", "score-per-kind"])
+def test_compiled_decode_equals_eager_without_graph_breaks(name, share, rule):
+    """global_share 1.5: 12 slots on the full-attention layer, 6 on the sliding ones, one compiled step (with a
+    score per kind of layer too)."""
     model = build(name, seed=2)
-    eager = h2o_compile.optimize(model, budget=8, compile=False, compress_sliding=True, global_share=share)
-    compiled = h2o_compile.optimize(model, budget=8, compile=True, compress_sliding=True, global_share=share)
+    settings = dict(budget=8, compress_sliding=True, global_share=share, **rule)
+    eager = h2o_compile.optimize(model, compile=False, **settings)
+    compiled = h2o_compile.optimize(model, compile=True, **settings)
     ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 6), generator=torch.Generator().manual_seed(4))
     for opt in (eager, compiled):
         opt.reset(2, ids.shape[1])
