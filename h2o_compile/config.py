@@ -216,12 +216,29 @@ class H2OConfig:
         if self.sliding_score not in SCORES:
             raise ValueError(f"sliding_score={self.sliding_score!r}; allowed: None (the layers share score) or "
                              f"{', '.join(map(repr, SCORES))}")
-        if self.policy != "h2o" or not self.compress_sliding:
-            raise ValueError(f"sliding_score={self.sliding_score!r} is the eviction score of sliding-window layers "
-                             f"that policy='h2o' compresses; it needs compress_sliding=True (without it they keep "
-                             f"their window and never choose), got policy={self.policy!r}, "
-                             f"compress_sliding={self.compress_sliding}")
-        _ = self.rule_for(window=1)  # the sliding layers' score with the shared decay and pooling
+        if self.policy != "h2o":
+            raise ValueError(f"sliding_score={self.sliding_score!r} is an option of policy='h2o'; "
+                             f"policy={self.policy!r} reads no scores")
+        if not self.compress_sliding:
+            raise ValueError(f"sliding_score={self.sliding_score!r} is the score of the sliding-window layers that "
+                             "compress_sliding=True puts under the policy; without it they keep their window and "
+                             "never choose")
+        try:
+            self.rule_for(window=1)  # the sliding layers' score with the shared decay and pooling
+        except ValueError as exc:
+            raise ValueError(f"sliding_score={self.sliding_score!r}: {exc}") from None
+
+    def check_layer_kinds(self, windows: Sequence[int]) -> None:
+        """ValueError when ``sliding_score`` is given for a model that lacks one of the two kinds of layer
+        (it would silently do nothing, or replace ``score`` on every layer). ``windows``: each layer's sliding
+        window, 0 = full attention."""
+        if self.sliding_score is None:
+            return
+        sliding = sum(1 for w in windows if w > 0)
+        if sliding == 0 or sliding == len(windows):
+            kind = "no sliding-window layer" if sliding == 0 else "no full-attention layer"
+            raise ValueError(f"sliding_score={self.sliding_score!r} sets the sliding-window layers' score apart "
+                             f"from the full-attention layers', but this model has {kind}; use score= alone")
 
     @property
     def rule(self) -> EvictionRule:

@@ -462,5 +462,6 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
     graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized,
                                         max_distance=config.max_distance)
     config.layer_shares([spec.window for spec in layers])  # a share the model's layers cannot take fails here
+    config.check_layer_kinds([spec.window for spec in layers])
     check_regional_compile(regional_compile)
     return H2OModel(model, graph, layers, config, limits, compile=compile, regional_compile=regional_compile)

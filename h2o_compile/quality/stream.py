@@ -203,8 +203,8 @@ def stream_rule_options(rule: str, compress_sliding: bool = False) -> dict:
     options = parse_rule_option(rule)
     if options.get("prompt_window") is not None or options.get("prompt_pool", 1) != 1:
         raise ValueError(f"score rule {rule!r}: a stream is fed in chunks and has no prompt for a prompt window or "
-                         "pooling (window=, pool=, snapkv) to act on; use sum, mean, max, tova or decay=G, joined by "
-                         "'+'")
+                         "pooling (window=, pool=, snapkv) to act on; use sum, mean, max, tova, decay=G, global=S or "
+                         "sliding=SCORE, joined by '+'")
     if "global_share" in options and not compress_sliding:
         raise ValueError(f"score rule {rule!r}: global= splits slots between compressed sliding-window and "
                          "full-attention layers; without compress_sliding (--compress-sliding) a stream's "

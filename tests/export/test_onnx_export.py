@@ -246,6 +246,7 @@ def test_max_seq_len_bounds_generate(exported):
     ({"max_seq_len": 0}, "max_seq_len=0"),
     ({"budget": 4, "sink_tokens": 3}, "sink_tokens"),
     ({"prompt_window": 8}, "prompt_window=8 / prompt_pool=1: the exported graph has no input"),
+    ({"sliding_score": "max", "compress_sliding": True}, "has no sliding-window layer"),
     ({"score": "mean", "score_decay": 0.5}, "score_decay=0.5 must be 1"),
 ])
 def test_bad_export_arguments_raise_value_error(tmp_path, kwargs, match):

@@ -72,6 +72,28 @@ def test_one_pass_equals_the_float64_softmax(shape, window, sinks, weights, peak
 
 
 @needs_compiler
+@pytest.mark.parametrize("peak", [False, True], ids=["sum", "peak"])
+def test_threads_split_one_heads_tiles_and_combine(peak):
+    """Three threads over one KV head's 3 tiles (and 2 query heads for the sum): each thread's range holds part of
+    the same head's mass, combined by a sum (or a max) afterwards; the float64 result either way. (The test
+    session runs one thread per worker, where every call has a single range.)"""
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = torch.randn(1, 2, 150, 16, generator=gen), torch.randn(1, 160, 16, generator=gen), torch.randn(1, 160, 16)
+    cache_pos, query_pos = _positions(1, 150, 10, gen)
+    weight = torch.rand(1, 150, generator=gen)
+    args = (cache_pos, query_pos, 0, 0.25, None, weight)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        out, mass = native_cpu.causal_attend_with_mass(q, k, v, *args, peak=peak)
+    finally:
+        torch.set_num_threads(threads)
+    want_out, want_mass = _brute_force(q, k, v, *args, peak=peak)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mass.double(), want_mass, rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
 def test_bf16_in_bf16_out_fp32_inside():
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(2, 2, 90, 32, generator=gen), torch.randn(2, 100, 32), torch.randn(2, 100, 32)
