@@ -226,7 +226,8 @@ def add_quality_parsers(sub) -> None:
     ev.add_argument("--h2o-rules", type=csv_of(str), default=[],
                     help="also evaluate h2o under these score rules: mean, max, tova, snapkv, decay=G, window=W, "
                          "pool=K, recent=R (the recent window's share), global=S (full-attention layers' share of "
-                         "the slots, with --compress-sliding), joined by '+'")
+                         "the slots, with --compress-sliding), sliding=SCORE (the sliding-window layers' own score, "
+                         "with --compress-sliding), joined by '+'")
     ev.add_argument("--kv-dtypes", type=csv_of(str), default=["model"],
                     help="entry dtypes, each configuration once per dtype: model, int8 (model); int8 rows are "
                          "labelled <policy>+int8")
@@ -253,9 +254,9 @@ def add_quality_parsers(sub) -> None:
     st.add_argument("--sink-tokens", type=int, default=None, help="default: 0 for h2o, 4 for sink")
     st.add_argument("--window-tokens", type=int, default=4096, help="scored tokens per reported window")
     st.add_argument("--rules", type=csv_of(str), default=["sum"],
-                    help="h2o score rules, one run each: sum, mean, max, tova, decay=G, global=S (with "
-                         "--compress-sliding), joined by '+' (sum); no prompt rules (window=, pool=, snapkv): a "
-                         "stream has no prompt")
+                    help="h2o score rules, one run each: sum, mean, max, tova, decay=G, global=S and "
+                         "sliding=SCORE (with --compress-sliding), joined by '+' (sum); no prompt rules (window=, "
+                         "pool=, snapkv): a stream has no prompt")
     st.add_argument("--recent-ratio", type=float, default=0.5, help="share of the cache for recent tokens (0.5)")
     st.add_argument("--compress-sliding", action="store_true",
                     help="sliding-window layers under the policy too, min(C, W) slots (default: they keep their "
@@ -272,8 +273,8 @@ def add_quality_parsers(sub) -> None:
     tk.add_argument("--policies", type=csv_of(str), default=["h2o", "sink", "local"],
                     help="comma-separated, from h2o, local, sink, random (h2o,sink,local)")
     tk.add_argument("--rules", type=csv_of(str), default=["sum"],
-                    help="h2o score rules: sum, mean, max, tova, snapkv, decay=G, window=W, pool=K, global=S (with "
-                         "--compress-sliding), joined by '+' (sum)")
+                    help="h2o score rules: sum, mean, max, tova, snapkv, decay=G, window=W, pool=K, global=S and "
+                         "sliding=SCORE (with --compress-sliding), joined by '+' (sum)")
     tk.add_argument("--compress-sliding", action="store_true",
                     help="compress sliding-window layers to the budget too (default: they keep their window)")
     tk.add_argument("--sink-tokens", type=int, default=None, help="sink tokens of h2o (default 0; sink: 4)")
