@@ -228,17 +228,17 @@ class H2OConfig:
         except ValueError as exc:
             raise ValueError(f"sliding_score={self.sliding_score!r}: {exc}") from None
 
-    def check_layer_kinds(self, windows: Sequence[int]) -> None:
-        """ValueError when ``sliding_score`` is given for a model that lacks one of the two kinds of layer
-        (it would silently do nothing, or replace ``score`` on every layer). ``windows``: each layer's sliding
-        window, 0 = full attention."""
-        if self.sliding_score is None:
-            return
+    def layer_rules(self, windows: Sequence[int]) -> list[str]:
+        """The ``EvictionRule.spec`` of every layer (``windows``: each layer's sliding window, 0 = full
+        attention), what the graph's h2o ops carry. ValueError when ``sliding_score`` is given for a model that
+        lacks one of the two kinds of layer (it would silently do nothing, or replace ``score`` on every
+        layer)."""
         sliding = sum(1 for w in windows if w > 0)
-        if sliding == 0 or sliding == len(windows):
+        if self.sliding_score is not None and sliding in (0, len(windows)):
             kind = "no sliding-window layer" if sliding == 0 else "no full-attention layer"
             raise ValueError(f"sliding_score={self.sliding_score!r} sets the sliding-window layers' score apart "
                              f"from the full-attention layers', but this model has {kind}; use score= alone")
+        return [self.rule_for(window).spec for window in windows]
 
     @property
     def rule(self) -> EvictionRule:

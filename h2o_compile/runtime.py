@@ -75,7 +75,7 @@ class H2OModel(nn.Module):
         self._warned_positions = False
         # Sinks and rule per layer, and the seed, are the same for every request: constants of the graph, set once.
         set_h2o_params(self.graph, sinks=[config.layer_sinks(spec.window) for spec in layers],
-                       policy=[config.rule_for(spec.window).spec for spec in layers], seed=config.seed)
+                       policy=config.layer_rules([spec.window for spec in layers]), seed=config.seed)
         # What eager calls run: the graph with its rotary tables (rolling / capped positions) computed once per
         # table size; the compiled step derives from self.graph and fuses them instead.
         self._eager_graph = cache_rotary_tables(self.graph)
@@ -462,6 +462,5 @@ def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio:
     graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized,
                                         max_distance=config.max_distance)
     config.layer_shares([spec.window for spec in layers])  # a share the model's layers cannot take fails here
-    config.check_layer_kinds([spec.window for spec in layers])
     check_regional_compile(regional_compile)
     return H2OModel(model, graph, layers, config, limits, compile=compile, regional_compile=regional_compile)

@@ -199,10 +199,9 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     dtype = layers[0].dtype
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype} is not supported by the ONNX export; use float32 or float16")
-    config.check_layer_kinds([spec.window for spec in layers])
+    policies = config.layer_rules([spec.window for spec in layers])  # before writing anything
     plan = CachePlan.build(config, layers, limits, max_seq_len=max_seq_len)
-    set_h2o_params(graph, recent=plan.recent, sinks=plan.sinks,
-                   policy=[config.rule_for(spec.window).spec for spec in layers], seed=config.seed)
+    set_h2o_params(graph, recent=plan.recent, sinks=plan.sinks, policy=policies, seed=config.seed)
 
     program = _export_program(graph, plan, batch_size, opset, function_body=op == "function")
     out_dir = Path(out_dir)
