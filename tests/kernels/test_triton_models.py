@@ -1,0 +1,58 @@
+"""Whole hybrid models through the Triton backend (forced with H2O_COMPILE_BACKEND=triton; interpreted on CPU
+in CI, compiled on a GPU) against the simulation inside transformers (tests/runtime/hf_simulation.py): each
+layer's attention kind (window, Gemma 2's soft-capping, GPT-OSS's sinks) and each layer's own rule (a score per
+kind of layer with a decay, a prompt window with pooling) reach the Triton prefill and decode kernels from the
+layer's node, as they reach the reference op (tests/runtime/test_hybrid_architectures.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import h2o_compile
+from tests.runtime.arch_configs import VOCAB, WINDOW, build
+from tests.runtime.hf_simulation import simulate_logits
+
+LENGTH = 4 * WINDOW  # several windows long
+BUDGET, SINKS = 10, 1
+FULL, SLIDING = dict(capacity=16, recent=8), dict(capacity=7, recent=4)  # global_share 1.6 over 1 full + 2 sliding
+
+
+@pytest.fixture
+def triton_backend(triton_device, monkeypatch):
+    monkeypatch.setenv("H2O_COMPILE_BACKEND", "triton")
+    return triton_device
+
+
+def _run_blocks(opt, ids, blocks):
+    opt.reset(ids.shape[0], ids.shape[1])
+    out, start = [], 0
+    for size in blocks:
+        out.append(opt.step(ids[:, start:start + size]).float().cpu())
+        start += size
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("name,rule", [
+    ("gemma3", dict(score="max", sliding_score="sum", score_decay=0.9)),
+    ("gemma2", dict(score="sum", sliding_score="max", score_decay=0.9)),
+    ("gpt_oss", dict(score="max", sliding_score="sum", score_decay=0.9, prompt_window=6, prompt_pool=3)),
+])
+def test_hybrid_model_through_triton_equals_simulation(triton_backend, name, rule):
+    model = build(name, seed=1)
+    ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
+    blocks = [20] + [1] * (LENGTH - 20)
+
+    def layer_args(layer, window):  # DESIGN.md section 2 per layer, written out independently of H2OConfig
+        if window is None:
+            return dict(FULL, sinks=SINKS, score=rule["score"])
+        return dict(SLIDING, sinks=SINKS, score=rule["sliding_score"])
+
+    want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
+                           layer_args=layer_args, decay=rule["score_decay"], pool=rule.get("prompt_pool", 1),
+                           prompt_window=rule.get("prompt_window"))
+    opt = h2o_compile.optimize(model.to(triton_backend), budget=BUDGET, sink_tokens=SINKS, compile=False,
+                               compress_sliding=True, global_share=1.6, **rule)
+    got = _run_blocks(opt, ids.to(triton_backend), blocks)
+    assert opt.layer_capacities == [SLIDING["capacity"], FULL["capacity"], SLIDING["capacity"]]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
