@@ -17,8 +17,8 @@ from pathlib import Path
 from ...native_build import NativeBuildError, cache_root, compile_cached, compiler, digest
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("ort_abi.h", "h2o_shapes.h", "h2o_glue.h", "h2o_kernel.h", "h2o_op.cc")
-CUDA_SOURCES = ("ort_abi.h", "h2o_shapes.h", "h2o_glue.h", "h2o_op_cuda.cu")
+SOURCES = ("ort_abi.h", "h2o_shapes.h", "h2o_rule.h", "h2o_glue.h", "h2o_kernel.h", "h2o_op.cc")
+CUDA_SOURCES = ("ort_abi.h", "h2o_shapes.h", "h2o_rule.h", "h2o_glue.h", "h2o_op_cuda.cu")
 LIBRARY = "libh2o_ort.so"
 API_VERSION = 16  # H2O_ORT_API_VERSION of ort_abi.h; api_version_of() reads the built library's own answer
 _FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-fvisibility=hidden",

@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "h2o_rule.h"
 #include "h2o_shapes.h"
 
 namespace h2o {
@@ -40,18 +41,6 @@ template <typename QT, typename CT> struct Tensors {
   float* new_scores;
   int64_t* new_pos;
 };
-
-// rules.random_priority, bit for bit: int64 arithmetic with torch's % (the result takes the divisor's sign).
-inline float random_priority(int64_t pos, int64_t seed) {
-  const int64_t mod = 2147483647, mul = 48271;
-  auto floor_mod = [mod](int64_t x) { int64_t r = x % mod; return r < 0 ? r + mod : r; };
-  // pos * 2654435761 wraps like torch's int64 multiply for huge positions (unsigned arithmetic is defined).
-  int64_t x = static_cast<int64_t>(static_cast<uint64_t>(pos) * 2654435761ull + static_cast<uint64_t>(seed) * 7919ull + 1ull);
-  x = floor_mod(x);
-  x = floor_mod(x * mul);
-  x = floor_mod(x * mul);
-  return static_cast<float>(x);
-}
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc = 0.f;
@@ -169,18 +158,17 @@ void run_pair(const Attrs& a, const Dims& d, const Tensors<QT, CT>& x, int64_t b
     }
   }
   const float floor_logit = -std::numeric_limits<float>::max();
-  const bool h2o_policy = a.policy == 0;
-  const bool is_peak = a.score == 2;  // score="max": each query's mass over its group's heads, then their max
+  const bool h2o_policy = reads_mass(a);
+  const bool peak_rule = is_peak(a);  // score="max": each query's mass over its group's heads, then their max
   w.mass.assign(S, 0.f);
-  if (is_peak) w.query_mass.resize(S);
+  if (peak_rule) w.query_mass.resize(S);
   w.logits.resize(S);
   std::vector<float> acc(Dv);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t qp = positions[t];
-    float weight = 1.f;
-    if (a.decay < 1.f) weight = std::pow(a.decay, static_cast<float>(std::max<int64_t>(newest - qp, 0)));
-    float* into = is_peak ? w.query_mass.data() : w.mass.data();  // where this query's probabilities add up
-    if (is_peak) std::fill(into, into + S, 0.f);
+    const float weight = query_weight(a, newest, qp);
+    float* into = peak_rule ? w.query_mass.data() : w.mass.data();  // where this query's probabilities add up
+    if (peak_rule) std::fill(into, into + S, 0.f);
     for (int64_t g = 0; g < G; ++g) {
       QT* out = x.out + (((b * d.Hq) + h * G + g) * T + t) * Dv;
       if (!valid[t]) { for (int64_t i = 0; i < Dv; ++i) out[i] = from_f<QT>(0.f); continue; }
@@ -225,38 +213,24 @@ void run_pair(const Attrs& a, const Dims& d, const Tensors<QT, CT>& x, int64_t b
       }
       for (int64_t i = 0; i < Dv; ++i) out[i] = from_f<QT>(acc[i]);
     }
-    if (is_peak)
+    if (peak_rule)
       for (int64_t j = 0; j < S; ++j) w.mass[j] = std::max(w.mass[j], into[j]);
   }
 
   // ---- scores and eviction priority (larger stays) -------------------------------------------------------
-  const float carry = a.decay < 1.f ? std::pow(a.decay, static_cast<float>(n_valid)) : 1.f;
+  const float carry = carry_factor(a, n_valid);
   w.scores.resize(S);
   w.priority.resize(S);
-  const float inf = std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < S; ++j) {
-    const int64_t p = w.pos[j];
-    const float carried = j < C ? (a.decay < 1.f ? score_cache[j] * carry : score_cache[j]) : 0.f;
-    w.scores[j] = is_peak ? std::max(carried, w.mass[j]) : carried + w.mass[j];
-    float key;
-    if (a.policy == 0)
-      key = a.score == 1 ? w.scores[j] / static_cast<float>(std::max<int64_t>(newest - p + 1, 1)) : w.scores[j];
-    else if (a.policy == 3)
-      key = random_priority(p, a.seed);
-    else
-      key = static_cast<float>(p);
-    const bool protect = p < a.sinks || p > newest - a.recent;
-    const bool live = p >= 0 && (a.window <= 0 || p > newest - a.window);
-    w.priority[j] = live ? (protect ? inf : key) : -inf;
+    const float carried = j < C ? score_cache[j] * carry : 0.f;
+    w.scores[j] = accumulate(a, carried, w.mass[j]);
+    w.priority[j] = eviction_priority(a, w.scores[j], w.pos[j], newest);
   }
-  // Evict the bottom T by (priority asc, position asc); the rest stays when live. Entries tied on both are
-  // empty slots or padding (position -1), never live, so the index tie-break does not matter.
+  // Evict the bottom T in the rule's order (h2o_rule.h); the rest stays when live.
   w.order.resize(S);
   for (int64_t j = 0; j < S; ++j) w.order[j] = j;
   auto lower = [&](int64_t i, int64_t j) {
-    if (w.priority[i] != w.priority[j]) return w.priority[i] < w.priority[j];
-    if (w.pos[i] != w.pos[j]) return w.pos[i] < w.pos[j];
-    return i < j;
+    return evicted_before(w.priority[i], w.pos[i], i, w.priority[j], w.pos[j], j);
   };
   if (T == 1) {
     std::swap(w.order[0], w.order[*std::min_element(w.order.begin(), w.order.end(), lower)]);
@@ -266,7 +240,7 @@ void run_pair(const Attrs& a, const Dims& d, const Tensors<QT, CT>& x, int64_t b
   w.keep.assign(S, 1);
   for (int64_t r = 0; r < T; ++r) w.keep[w.order[r]] = 0;
   for (int64_t j = 0; j < S; ++j)
-    if (w.priority[j] == -inf) w.keep[j] = 0;
+    if (w.priority[j] == -INFINITY) w.keep[j] = 0;
 
   // ---- slot-stable assignment: the r-th freed slot receives the r-th kept new token ---------------------
   w.source.assign(C, -1);

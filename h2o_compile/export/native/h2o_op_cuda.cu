@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "h2o_glue.h"
+#include "h2o_rule.h"
 
 namespace {
 
@@ -60,17 +61,6 @@ __device__ float block_reduce(float x, bool is_max, float* red) {
   return r;
 }
 
-// rules.random_priority, bit for bit (int64 wrap-around, torch's % with the divisor's sign).
-__device__ float random_priority(int64_t pos, int64_t seed) {
-  const int64_t mod = 2147483647, mul = 48271;
-  int64_t x = static_cast<int64_t>(static_cast<unsigned long long>(pos) * 2654435761ull +
-                                   static_cast<unsigned long long>(seed) * 7919ull + 1ull);
-  x %= mod; if (x < 0) x += mod;
-  x = (x * mul) % mod;
-  x = (x * mul) % mod;
-  return static_cast<float>(x);
-}
-
 template <typename QT, typename CT>
 __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
   extern __shared__ float smem[];
@@ -96,7 +86,7 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
   }
   __syncthreads();
   const int64_t newest = newest_s;
-  const bool is_peak = a.score == 2;
+  const bool peak_rule = h2o::is_peak(a);
   for (int64_t j = tid; j < S; j += kThreads) {
     mass[j] = 0.f;
     if (!a.rolling) continue;
@@ -131,11 +121,11 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
   };
   for (int64_t t = 0; t < T; ++t) {
     const int64_t qp = positions[t];
-    const float weight = a.decay < 1.f ? powf(a.decay, static_cast<float>(imax(newest - qp, 0))) : 1.f;
+    const float weight = h2o::query_weight(a, newest, qp);
     // score="max": the query's probabilities summed over the group's heads in prio, then the max into mass. Each
     // thread owns the same entries j in every loop, so the buffer needs no barrier of its own.
-    float* into = is_peak ? prio : mass;
-    if (is_peak) for (int64_t j = tid; j < S; j += kThreads) into[j] = 0.f;
+    float* into = peak_rule ? prio : mass;
+    if (peak_rule) for (int64_t j = tid; j < S; j += kThreads) into[j] = 0.f;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t head = h * G + g;
       QT* out = x.out + ((b * d.Hq + head) * T + t) * Dv;
@@ -175,7 +165,7 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
       total = block_reduce(total, false, red) + expf(sink - peak);
       for (int64_t j = tid; j < S; j += kThreads) {
         logits[j] /= total;
-        if (a.policy == 0) into[j] += logits[j] * weight;
+        if (h2o::reads_mass(a)) into[j] += logits[j] * weight;
       }
       __syncthreads();
       for (int64_t i = tid; i < Dv; i += kThreads) {
@@ -185,20 +175,14 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
       }
       __syncthreads();
     }
-    if (is_peak) for (int64_t j = tid; j < S; j += kThreads) mass[j] = fmaxf(mass[j], into[j]);
+    if (peak_rule) for (int64_t j = tid; j < S; j += kThreads) mass[j] = fmaxf(mass[j], into[j]);
   }
-  // Scores and eviction priority (larger stays), as the CPU kernel.
-  const float carry = a.decay < 1.f ? powf(a.decay, static_cast<float>(n_valid_s)) : 1.f;
+  // Scores and eviction priority (larger stays): the rule of h2o_rule.h, as in the CPU kernel.
+  const float carry = h2o::carry_factor(a, n_valid_s);
   for (int64_t j = tid; j < S; j += kThreads) {
-    const int64_t p = pos(j);
-    const float carried = j < C ? (a.decay < 1.f ? x.score_cache[pair * C + j] * carry : x.score_cache[pair * C + j]) : 0.f;
-    const float score = is_peak ? fmaxf(carried, mass[j]) : carried + mass[j];
-    mass[j] = score;
-    float k = a.policy == 0 ? (a.score == 1 ? score / static_cast<float>(imax(newest - p + 1, 1)) : score)
-              : a.policy == 3 ? random_priority(p, a.seed) : static_cast<float>(p);
-    const bool protect = p < a.sinks || p > newest - a.recent;
-    const bool live = p >= 0 && (a.window <= 0 || p > newest - a.window);
-    prio[j] = live ? (protect ? INFINITY : k) : -INFINITY;
+    const float carried = j < C ? x.score_cache[pair * C + j] * carry : 0.f;
+    mass[j] = h2o::accumulate(a, carried, mass[j]);
+    prio[j] = h2o::eviction_priority(a, mass[j], pos(j), newest);
   }
   __syncthreads();
   for (int64_t j = tid; j < S; j += kThreads) {  // evicted iff fewer than T entries rank below it
@@ -206,7 +190,7 @@ __global__ void h2o_pair_kernel(h2o::Attrs a, h2o::Dims d, Args<QT, CT> x) {
     int64_t below = 0;
     for (int64_t i = 0; i < S && below < T; ++i) {
       const int64_t pi = pos(i);
-      below += prio[i] < prio[j] || (prio[i] == prio[j] && (pi < pj || (pi == pj && i < j)));
+      below += h2o::evicted_before(prio[i], pi, i, prio[j], pj, j);
     }
     const int keep = below >= T && prio[j] != -INFINITY;
     aux[j] = keep | ((j < C && pos_cache[j] >= 0) << 1);  // read pos_cache now: new_pos may alias it
