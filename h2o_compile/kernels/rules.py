@@ -3,7 +3,8 @@
 Every torch path calls these functions: the reference op (kernels/reference.py), the compiled CPU decode step
 (ops.decode_fusable_, fused by Inductor) and the bookkeeping around the Triton kernels (kernels/triton_ops.py),
 whose kernels only return the attention output and the per-key mass. The ONNX function
-(export/onnx_function.py) is the one other copy, in ONNX ops. DESIGN.md section 2 ("Score rules") states them.
+(export/onnx_function.py) is the copy in ONNX ops, and export/native/h2o_rule.h the one in C++ that the native
+ONNX Runtime op's CPU and CUDA kernels share. DESIGN.md section 2 ("Score rules") states them.
 
 A rule travels through the op boundary as a string (custom ops take primitive arguments only),
 :attr:`EvictionRule.spec`: a policy name (``"h2o"``, the paper's rule, and every rule before score options
