@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import h2o_compile
+from h2o_compile.kernels import reference
 from tests.runtime.arch_configs import VOCAB, WINDOW, build
 from tests.runtime.hf_simulation import simulate_logits
 
@@ -20,7 +21,14 @@ FULL, SLIDING = dict(capacity=16, recent=8), dict(capacity=7, recent=4)  # globa
 
 @pytest.fixture
 def triton_backend(triton_device, monkeypatch):
+    """The Triton backend forced, and the reference op's in-place entry point made to fail, so a model that
+    fell back to the reference path could not pass."""
     monkeypatch.setenv("H2O_COMPILE_BACKEND", "triton")
+
+    def not_the_reference(*args, **kwargs):
+        raise AssertionError("the reference op ran where the Triton backend was forced")
+
+    monkeypatch.setattr(reference, "h2o_attention_", not_the_reference)
     return triton_device
 
 
