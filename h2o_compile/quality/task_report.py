@@ -4,6 +4,7 @@ pass-key accuracy by depth band, and a depth x length heat map per configuration
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Optional
 
@@ -148,7 +149,7 @@ def _heatmap(run: TaskRun, path: Path, configs, lengths, model_name: str) -> Pat
 
     cols = min(4, len(configs))
     rows = -(-len(configs) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.8 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.1 * rows), squeeze=False)
     for ax, (label, budget) in zip(axes.flat, configs):
         grid = [[_cell(run, "passkey", n, label, budget, band) for n in lengths] for band in DEPTH_BANDS]
         values = [[float("nan") if v is None else v for v in row] for row in grid]
@@ -158,7 +159,8 @@ def _heatmap(run: TaskRun, path: Path, configs, lengths, model_name: str) -> Pat
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
                 ax.text(j, i, _pct(v), ha="center", va="center", fontsize=8)
-        ax.set_title(label if budget is None else f"{label} @ {budget}", fontsize=9)
+        title = label if budget is None else f"{label} @ {budget}"
+        ax.set_title(textwrap.fill(title, 34), fontsize=8)  # rule specs are long: wrap, never overlap panels
     for ax in list(axes.flat)[len(configs):]:
         ax.axis("off")
     fig.suptitle(f"pass-key accuracy by depth x length: {model_name}", fontsize=10)
