@@ -5,6 +5,16 @@ from __future__ import annotations
 import torch
 
 
+def step_blocks(opt, ids: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+    """Feed ids [B, S] to an H2OModel in blocks of the given sizes after a reset; the logits [B, S, V]."""
+    opt.reset(ids.shape[0], ids.shape[1])
+    logits, start = [], 0
+    for size in blocks:
+        logits.append(opt.step(ids[:, start:start + size]))
+        start += size
+    return torch.cat(logits, dim=1)
+
+
 def sink_logits_for(hq, device, seed=11):
     """[Hq] learned sink logits, large enough to take a real share of the softmax."""
     return (torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2.0).to(device)

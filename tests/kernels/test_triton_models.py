@@ -11,6 +11,7 @@ import torch
 
 import h2o_compile
 from h2o_compile.kernels import reference
+from tests.helpers import step_blocks
 from tests.runtime.arch_configs import VOCAB, WINDOW, build
 from tests.runtime.hf_simulation import simulate_logits
 
@@ -30,15 +31,6 @@ def triton_backend(triton_device, monkeypatch):
 
     monkeypatch.setattr(reference, "h2o_attention_", not_the_reference)
     return triton_device
-
-
-def _run_blocks(opt, ids, blocks):
-    opt.reset(ids.shape[0], ids.shape[1])
-    out, start = [], 0
-    for size in blocks:
-        out.append(opt.step(ids[:, start:start + size]).float().cpu())
-        start += size
-    return torch.cat(out, dim=1)
 
 
 @pytest.mark.parametrize("name,rule", [
@@ -61,6 +53,6 @@ def test_hybrid_model_through_triton_equals_simulation(triton_backend, name, rul
                            prompt_window=rule.get("prompt_window"))
     opt = h2o_compile.optimize(model.to(triton_backend), budget=BUDGET, sink_tokens=SINKS, compile=False,
                                compress_sliding=True, global_share=1.6, **rule)
-    got = _run_blocks(opt, ids.to(triton_backend), blocks)
+    got = step_blocks(opt, ids.to(triton_backend), blocks).float().cpu()
     assert opt.layer_capacities == [SLIDING["capacity"], FULL["capacity"], SLIDING["capacity"]]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

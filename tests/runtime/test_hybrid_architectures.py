@@ -12,6 +12,7 @@ import transformers
 
 import h2o_compile
 
+from ..helpers import step_blocks
 from .arch_configs import HYBRID, VOCAB, WINDOW, build
 from .compile_checks import assert_ran_compiled, strict_compile
 from .hf_simulation import simulate_logits
@@ -50,15 +51,6 @@ def test_full_budget_generate_equals_transformers(name):
     assert torch.equal(ours, theirs), f"first mismatch at {(ours != theirs).nonzero()[:1].tolist()}"
 
 
-def _run_blocks(opt, ids, blocks):
-    opt.reset(ids.shape[0], ids.shape[1])
-    out, start = [], 0
-    for size in blocks:
-        out.append(opt.step(ids[:, start:start + size]))
-        start += size
-    return torch.cat(out, dim=1)
-
-
 @pytest.mark.parametrize("compress", [False, True], ids=["window-cache", "compressed"])
 @pytest.mark.parametrize("name", NAMES)
 def test_evicting_budget_equals_simulation(name, compress):
@@ -76,7 +68,7 @@ def test_evicting_budget_equals_simulation(name, compress):
         slots = min(budget, window)
         return dict(capacity=slots, recent=max(1, round(slots * 0.5)), sinks=sinks)
 
-    ours = _run_blocks(opt, ids, blocks)
+    ours = step_blocks(opt, ids, blocks)
     want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
                            layer_args=layer_args)
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
@@ -104,7 +96,7 @@ def test_global_share_moves_slots_and_equals_simulation(name, budget, share, ful
         slots, recent = full_slots if window is None else sliding_slots
         return dict(capacity=slots, recent=recent, sinks=1)
 
-    ours = _run_blocks(opt, ids, blocks)
+    ours = step_blocks(opt, ids, blocks)
     assert opt.layer_capacities == [sliding_slots[0], full_slots[0], sliding_slots[0]]
     want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
                            layer_args=layer_args)
@@ -135,7 +127,7 @@ def test_a_score_per_kind_of_layer_equals_simulation(name, score, sliding_score)
                                layer_args=layer_args, decay=decay)
 
     want = simulated(sliding_score)
-    torch.testing.assert_close(_run_blocks(opt, ids, blocks), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step_blocks(opt, ids, blocks), want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(simulated(score), want, rtol=1e-4, atol=1e-4)
 
 

@@ -9,10 +9,10 @@ import torch
 
 import h2o_compile
 
+from ..helpers import step_blocks
 from .arch_configs import VOCAB, WINDOW, build
 from .compile_checks import assert_ran_compiled, strict_compile
 from .hf_simulation import simulate_logits
-from .test_hybrid_architectures import _run_blocks
 
 
 def test_int8_llama_equals_the_quantizing_simulation():
@@ -21,7 +21,7 @@ def test_int8_llama_equals_the_quantizing_simulation():
     opt = h2o_compile.optimize(model, budget=5, sink_tokens=1, kv_dtype="int8", compile=False)
     ids = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(5))
     blocks = [7] + [1] * 10 + [3] + [1] * 4
-    ours = _run_blocks(opt, ids, blocks)
+    ours = step_blocks(opt, ids, blocks)
     want = simulate_logits(model, ids, blocks, capacity=5, recent=opt.h2o_config.recent_window(5), sinks=1,
                            policy="h2o", quantized=True)
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
@@ -44,7 +44,7 @@ def test_int8_hybrid_with_rolling_positions_and_chunked_prefill_equals_the_simul
         slots = budget if window is None else min(budget, window)
         return dict(capacity=slots, recent=max(1, round(slots * 0.5)), sinks=1)
 
-    ours = _run_blocks(opt, ids, [20] + [1] * (length - 20))  # step() chunks the prompt itself (prefill=8)
+    ours = step_blocks(opt, ids, [20] + [1] * (length - 20))  # step() chunks the prompt itself (prefill=8)
     want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
                            layer_args=layer_args, rolling=True, quantized=True)
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
@@ -81,7 +81,7 @@ def test_compiled_int8_decode_on_windows_softcap_and_sinks_equals_the_simulation
 
     blocks = [9] + [1] * (length - 9)
     with strict_compile():
-        ours = _run_blocks(opt, ids, blocks)
+        ours = step_blocks(opt, ids, blocks)
     want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
                            layer_args=layer_args, quantized=True)
     # The compiled graph computes k and v with other fp32 roundings than eager torch, and a vector element that
@@ -104,7 +104,7 @@ def test_full_budget_int8_stays_close_to_the_model():
     model = build("llama", seed=11)
     opt = h2o_compile.optimize(model, budget=1.0, kv_dtype="int8", compile=False)
     ids = torch.randint(1, VOCAB, (2, 24), generator=torch.Generator().manual_seed(6))
-    ours = _run_blocks(opt, ids, [8] + [1] * 16)
+    ours = step_blocks(opt, ids, [8] + [1] * 16)
     with torch.no_grad():
         want = model(ids).logits
     torch.testing.assert_close(ours[:, :8], want[:, :8], rtol=1e-4, atol=1e-4)
