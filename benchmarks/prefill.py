@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-from h2o_compile.quality.task_eval import parse_rule_option  # noqa: E402
+from h2o_compile.presets import parse_options  # noqa: E402
 from h2o_compile.reporting import command_line, machine_description, markdown_table, write_json  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def contenders(model, policies):
     for spec in policies:
         # "h2o+window=64+pool=9": the policy, then a score rule as `h2o-compile tasks --rules` reads it
         policy, _, rule = spec.partition("+")
-        options = parse_rule_option(rule) if rule else {}
+        options = parse_options(rule) if rule else {}
         opt = h2o_compile.optimize(model, budget=0.2, policy=policy, compile=False, **options)
 
         def h2o(prompt, opt=opt):

@@ -1,24 +1,97 @@
-"""H2OConfig: what to keep in the KV cache, validated once at construction."""
+"""H2OConfig: what to keep in the KV cache, validated once at construction; ScoreRule, the eviction key of
+policy ``h2o`` nested in it. ``H2OConfig.parse`` reads the one string syntax (h2o_compile/presets.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
 
 from .kernels.quantized import check_kv_dtype
 from .kernels.rules import SCORES, EvictionRule
 
 POSITIONS = ("true", "rolling", "capped")
 POLICIES = ("h2o", "local", "sink", "random", "full")
+CONFIG_VERSION = 1  # of to_dict(): from_dict() reads this version
 
 # StreamingLLM keeps four "attention sink" tokens; the `sink` policy uses that unless told otherwise.
 DEFAULT_SINK_POLICY_SINKS = 4
 
 
+def _is_int(value, least: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= least
+
+
+@dataclass(frozen=True)
+class ScoreRule:
+    """The eviction key of policy ``h2o`` (kernels/rules.py registers the scores; ../docs/design.md states them).
+
+    Args:
+        score: a registered score: ``"sum"`` (the paper: accumulated attention), ``"mean"`` (accumulated
+            attention / (newest position - p + 1)), ``"max"`` (the largest attention one query gave the key,
+            summed over its KV group's heads), ``"knorm"`` (query-free: keys with the smallest L2 norm stay).
+        decay: g in [0, 1]; a block of T queries updates A = g^T A + sum_t g^(t1 - t) mass_t (with ``"max"``:
+            A = max(g^T A, max_t g^(t1 - t) mass_t)). 1 = the paper, 0 = the newest query only (TOVA).
+        prompt_window: None, or w >= 1: only the prompt's last w queries add to the scores (SnapKV's
+            observation window); later queries add as usual. The prompt is the first block after ``reset``.
+        prompt_pool: odd k >= 1: once the prompt is in, its keys' scores are averaged over k neighbouring
+            prompt positions (SnapKV's pooling); needs ``prefill="full"``.
+        sliding_score: None (every layer evicts by ``score``), or the score of the sliding-window layers when
+            ``compress_sliding`` puts them under the policy; ``score`` is then the full-attention layers' own.
+            Decay, prompt window and pooling are shared.
+    """
+
+    score: str = "sum"
+    decay: float = 1.0
+    prompt_window: Optional[int] = None
+    prompt_pool: int = 1
+    sliding_score: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("score", "sliding_score"):
+            value = getattr(self, name)
+            if (value is not None or name == "score") and value not in SCORES:
+                hint = f" (did you mean config={value!r}? it is a preset, not a score)" if _is_preset(value) else ""
+                none = "None (the layers share score) or " if name == "sliding_score" else ""
+                raise ValueError(f"{name}={value!r}{hint}; allowed: {none}{', '.join(map(repr, SCORES))}")
+        if self.prompt_window is not None and not _is_int(self.prompt_window, 1):
+            raise ValueError(f"prompt_window={self.prompt_window!r} must be None (every prompt query scores) or "
+                             "an int >= 1")
+        self.eviction_rule("h2o", window=0)  # validates score, decay and pool together
+        if self.sliding_score is not None:
+            try:
+                self.eviction_rule("h2o", window=1)
+            except ValueError as exc:
+                raise ValueError(f"sliding_score={self.sliding_score!r}: {exc}") from None
+        if self.prompt_window is not None and not SCORES[self.score].reads_attention:
+            raise ValueError(f"prompt_window={self.prompt_window} chooses which prompt queries add attention; "
+                             f"score={self.score!r} reads no attention")
+
+    def eviction_rule(self, policy: str, window: int) -> EvictionRule:
+        """The rule a layer's op carries under ``policy`` (``window``: its sliding window, 0 = full attention)."""
+        if policy != "h2o":
+            return EvictionRule(policy)
+        score = self.sliding_score if window > 0 and self.sliding_score is not None else self.score
+        return EvictionRule(policy, score, self.decay, self.prompt_pool)
+
+
+def _is_preset(name) -> bool:
+    from .presets import PRESET_OPTIONS
+
+    return name in PRESET_OPTIONS
+
+
+_RULE_FIELDS = tuple(f.name for f in dataclasses.fields(ScoreRule))
+
+
 @dataclass
 class H2OConfig:
-    """How an H2O cache is sized and which tokens it evicts.
+    """How an H2O cache is sized and which tokens it evicts: the one configuration of the library.
+
+    Build one directly, from a preset (``h2o_compile.PRESETS["recommended"]``), or from the rule string
+    (``H2OConfig.parse("recommended+budget=0.1")``); ``replace(**options)`` changes fields, a score rule's
+    among them (``decay=0.9``); ``to_dict`` / ``from_dict`` serialise it with a version.
 
     Args:
         budget: float in (0, 1] = fraction of the total sequence (prompt + new tokens) kept per layer and
@@ -27,8 +100,8 @@ class H2OConfig:
             budget evenly between recent tokens and heavy hitters).
         sink_tokens: the first ``sink_tokens`` positions are never evicted. ``None`` means 0, or 4 for the
             ``sink`` policy (StreamingLLM).
-        policy: ``h2o`` (evict the smallest accumulated attention), ``local`` (oldest first),
-            ``sink`` (sinks, then oldest first), ``random`` (seeded), ``full`` (never evict).
+        policy: ``h2o`` (evict by ``rule``), ``local`` (oldest first), ``sink`` (sinks, then oldest first),
+            ``random`` (seeded), ``full`` (never evict).
         prefill: ``"full"`` processes the prompt as one block (exact prompt outputs; temporary memory
             grows with the prompt) then compresses to the capacity; an int ``c`` feeds the prompt in chunks
             of ``c`` tokens so memory stays at capacity + c.
@@ -43,39 +116,21 @@ class H2OConfig:
             equally (each at most its window). The uniform split holds C on every full-attention layer and
             min(C, W) on every sliding one, so while C <= W a sliding layer gets (L - global_share x L_full) /
             L_sliding x C (L layers, L_full of them full-attention); once C > W the sliding layers give up
-            part of their window. 1.0 = every layer C (the paper). Gemma 3 270M, budget 0.2 of 1024 tokens:
-            2.0 brings perplexity from 1.15x to 1.04x the full cache's with the recommended rule
-            (docs/results/eval_gemma3, "Slots by kind of layer").
+            part of their window. 1.0 = every layer C (the paper).
         positions: ``"true"`` rotates keys at their text positions (the model's own behaviour);
             ``"rolling"`` caches keys before RoPE and rotates them by their rank in the cache at attention
             time (StreamingLLM), so a stream can run past the model's max_position_embeddings with every
             relative distance below C + block (rotary models only). ``"capped"`` caches keys before RoPE
             too and rotates each at its true distance to the row's newest token, capped at ``max_distance``
             (at the block's valid tokens - 1 if that is more, so a block's own distances stay exact):
-            recent keys sit where the model expects them, older ones at that one far distance (measured
-            better than rank over long streams, docs/results/stream/README.md).
-        max_distance: D of ``positions="capped"``: None = half the model's max_position_embeddings (the best
-            of the caps measured on Gemma 3 270M); an int in [1, max_position_embeddings - 1].
-        score: the eviction key of policy ``h2o``: ``"sum"`` (the paper: accumulated attention), ``"mean"``
-            (accumulated attention / (newest position - p + 1), the key's lifetime) or ``"max"`` (the largest
-            attention one query gave the key, summed over its KV group's heads: A = max(A, mass_t)).
-        score_decay: g in [0, 1]; a block of T queries updates A = g^T A + sum_t g^(t1 - t) mass_t (with
-            ``"max"``: A = max(g^T A, max_t g^(t1 - t) mass_t)). 1 = the paper, 0 = the newest query only
-            (TOVA). Not with ``score="mean"``.
-        prompt_window: None, or w >= 1: only the prompt's last w queries add to the scores (SnapKV's
-            observation window); later queries add as usual. The prompt is the first block after ``reset``.
-        prompt_pool: odd k >= 1: once the prompt is in, its keys' scores are averaged over k neighbouring
-            prompt positions (SnapKV's pooling); needs ``prefill="full"``.
+            recent keys sit where the model expects them, older ones at that one far distance.
+        max_distance: D of ``positions="capped"``: None = half the model's max_position_embeddings; an int in
+            [1, max_position_embeddings - 1].
+        rule: the :class:`ScoreRule` of policy ``h2o`` (score, decay, prompt window and pooling, the sliding
+            layers' own score); the default is the paper's.
         kv_dtype: ``"model"`` keeps kept keys and values in the model's dtype; ``"int8"`` stores each kept
             key and value vector as int8 with one fp32 scale (symmetric absmax, kernels/quantized.py), about a
             quarter of the fp32 state. Scores, positions and eviction are unchanged.
-        sliding_score: None (every layer evicts by ``score``), or the score of the sliding-window layers when
-            ``compress_sliding`` puts them under the policy; ``score`` is then the full-attention layers' own.
-            Decay, prompt window and pooling are shared. Gemma 3 270M with ``global_share=2``, budget 0.2,
-            decay 0.99: ``score="max", sliding_score="sum"`` 1.029x the full cache's perplexity on wikitext-2
-            at 1024 tokens (the sum on every layer 1.041x, the peak 1.100x) and 0.979x at 4096 (sum 0.986x);
-            level with both on War and Peace (1.053x vs 1.051x) (docs/results/eval_gemma3, "A score per kind
-            of layer").
     """
 
     budget: Union[float, int] = 0.2
@@ -88,12 +143,8 @@ class H2OConfig:
     global_share: float = 1.0
     positions: str = "true"
     max_distance: Optional[int] = None
-    score: str = "sum"
-    score_decay: float = 1.0
-    prompt_window: Optional[int] = None
-    prompt_pool: int = 1
+    rule: ScoreRule = field(default_factory=ScoreRule)
     kv_dtype: str = "model"
-    sliding_score: Optional[str] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, float)):
@@ -106,23 +157,21 @@ class H2OConfig:
         if isinstance(self.budget, int) and self.budget < 1:
             raise ValueError(f"budget={self.budget!r}: an int budget is a number of cache slots and must be >= 1")
         if self.policy not in POLICIES:
-            raise ValueError(f"policy={self.policy!r} is not supported; choose one of {', '.join(POLICIES)}")
+            hint = f" (did you mean config={self.policy!r}? it is a preset)" if _is_preset(self.policy) else ""
+            raise ValueError(f"policy={self.policy!r} is not supported{hint}; choose one of {', '.join(POLICIES)}")
         if not isinstance(self.recent_ratio, (int, float)) or not (0.0 <= self.recent_ratio <= 1.0):
             raise ValueError(f"recent_ratio={self.recent_ratio!r} must be a number in [0, 1]")
         if self.sink_tokens is None:
             self.sink_tokens = DEFAULT_SINK_POLICY_SINKS if self.policy == "sink" else 0
-        if isinstance(self.sink_tokens, bool) or not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+        if not _is_int(self.sink_tokens, 0):
             raise ValueError(f"sink_tokens={self.sink_tokens!r} must be an int >= 0")
         if self.policy == "local" and self.sink_tokens:
             raise ValueError(
                 f"policy='local' keeps no sinks but sink_tokens={self.sink_tokens}; use policy='sink' instead"
             )
-        if isinstance(self.prefill, str):
-            if self.prefill != "full":
-                raise ValueError(f"prefill={self.prefill!r} must be 'full' or an int chunk size >= 1")
-        elif isinstance(self.prefill, bool) or not isinstance(self.prefill, int) or self.prefill < 1:
+        if self.prefill != "full" and not _is_int(self.prefill, 1):
             raise ValueError(f"prefill={self.prefill!r} must be 'full' or an int chunk size >= 1")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+        if not _is_int(self.seed, 0):
             raise ValueError(f"seed={self.seed!r} must be an int >= 0")
         if not isinstance(self.compress_sliding, bool):
             raise ValueError(f"compress_sliding={self.compress_sliding!r} must be True or False")
@@ -130,27 +179,98 @@ class H2OConfig:
         if self.positions not in POSITIONS:
             raise ValueError(f"positions={self.positions!r}; allowed: {', '.join(map(repr, POSITIONS))}")
         if self.max_distance is not None:
-            if isinstance(self.max_distance, bool) or not isinstance(self.max_distance, int) or self.max_distance < 1:
+            if not _is_int(self.max_distance, 1):
                 raise ValueError(f"max_distance={self.max_distance!r} must be None or an int >= 1")
             if self.positions != "capped":
                 raise ValueError(f"max_distance={self.max_distance} caps the distances of positions='capped'; "
                                  f"positions={self.positions!r} has none")
-        if self.score not in SCORES:
-            raise ValueError(f"score={self.score!r}; allowed: {', '.join(map(repr, SCORES))}")
-        if self.prompt_window is not None and (isinstance(self.prompt_window, bool)
-                                               or not isinstance(self.prompt_window, int) or self.prompt_window < 1):
-            raise ValueError(f"prompt_window={self.prompt_window!r} must be None (every prompt query scores) or "
-                             "an int >= 1")
-        if self.policy != "h2o" and self.prompt_window is not None:
-            raise ValueError(f"prompt_window is an option of policy='h2o'; policy={self.policy!r} reads no scores")
-        _ = self.rule  # validates score, score_decay and prompt_pool together
-        self._check_sliding_score()
+        self._check_rule()
         check_kv_dtype(self.kv_dtype)
-        if self.prompt_pool > 1 and self.prefill != "full":
-            raise ValueError(f"prompt_pool={self.prompt_pool} pools the whole prompt's scores, which needs "
-                             f"prefill='full'; got prefill={self.prefill!r}")
         if isinstance(self.budget, int):
             self._check_split(self.budget)
+
+    def _check_rule(self) -> None:
+        if not isinstance(self.rule, ScoreRule):
+            raise TypeError(f"rule={self.rule!r} must be a ScoreRule (or use H2OConfig.parse / replace with "
+                            "score=, decay=, prompt_window=, prompt_pool=, sliding_score=)")
+        if self.policy != "h2o" and self.rule != ScoreRule():
+            changed = [f"{f}={getattr(self.rule, f)!r}" for f in _RULE_FIELDS
+                       if getattr(self.rule, f) != getattr(ScoreRule(), f)]
+            raise ValueError(f"{', '.join(changed)}: the score rule is an option of policy='h2o'; "
+                             f"policy={self.policy!r} reads no scores")
+        if self.rule.sliding_score is not None and not self.compress_sliding:
+            raise ValueError(f"sliding_score={self.rule.sliding_score!r} is the score of the sliding-window layers "
+                             "that compress_sliding=True puts under the policy; without it they keep their window "
+                             "and never choose")
+        if self.rule.prompt_pool > 1 and self.prefill != "full":
+            raise ValueError(f"prompt_pool={self.rule.prompt_pool} pools the whole prompt's scores, which needs "
+                             f"prefill='full'; got prefill={self.prefill!r}")
+
+    # -- building and serialising ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any], base: Optional["H2OConfig"] = None) -> "H2OConfig":
+        """``base`` (default: the paper's config) with flat ``options``: H2OConfig fields and ScoreRule fields
+        (score, decay, prompt_window, prompt_pool, sliding_score) side by side. A policy given without
+        sink_tokens takes that policy's default sinks; positions given without max_distance drop the old cap."""
+        base = cls() if base is None else base
+        fields = {f.name for f in dataclasses.fields(cls)} - {"rule"}
+        unknown = sorted(set(options) - fields - set(_RULE_FIELDS) - {"rule"})
+        if unknown:
+            raise TypeError(f"unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(fields))}, "
+                            f"{', '.join(_RULE_FIELDS)}")
+        top = {k: v for k, v in options.items() if k in fields}
+        if "policy" in top and "sink_tokens" not in top:
+            top["sink_tokens"] = None
+        if "positions" in top and "max_distance" not in top:
+            top["max_distance"] = None
+        rule = options.get("rule", base.rule)
+        rule_options = {k: v for k, v in options.items() if k in _RULE_FIELDS}
+        if rule_options:
+            rule = dataclasses.replace(rule, **rule_options)
+        return dataclasses.replace(base, rule=rule, **top)
+
+    def replace(self, **options) -> "H2OConfig":
+        """A copy with ``options`` changed (:meth:`from_options`): ``config.replace(budget=0.1, decay=0.9)``."""
+        return type(self).from_options(options, base=self)
+
+    @classmethod
+    def parse(cls, text: str) -> "H2OConfig":
+        """A config from the rule string: presets, score names and ``name=value`` options joined by ``+``, e.g.
+        ``"recommended"``, ``"tova+budget=0.1"``, ``"max+decay=0.99+prompt_window=64"`` (h2o_compile/presets.py)."""
+        from .presets import parse_options
+
+        return cls.from_options(parse_options(text))
+
+    def to_string(self) -> str:
+        """The rule string of this config (its fields that differ from the defaults): ``parse`` reads it back."""
+        from .presets import format_options
+
+        return format_options(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, the rule nested, plus ``version``: what save_pretrained and the ONNX metadata write."""
+        return {"version": CONFIG_VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "H2OConfig":
+        """The config :meth:`to_dict` wrote; ValueError for another version or an unknown field."""
+        data = dict(data)
+        version = data.pop("version", None)
+        if version != CONFIG_VERSION:
+            raise ValueError(f"H2OConfig version {version!r}; this library reads version {CONFIG_VERSION}")
+        rule = data.pop("rule", {})
+        try:
+            return cls(rule=ScoreRule(**rule), **data)
+        except TypeError as exc:
+            raise ValueError(f"not an H2OConfig dict: {exc}") from None
+
+    @property
+    def served_by(self) -> list[str]:
+        """The backends that serve this config (h2o_compile/backends.py's capability table)."""
+        from .backends import served_by
+
+        return served_by(self)
 
     def _check_global_share(self) -> None:
         share = self.global_share
@@ -210,47 +330,17 @@ class H2OConfig:
                              f"{(uniform - sliding * least) // full / capacity:.4f} leaves them {least}")
         return left / (sliding * capacity)  # layer_params rounds it x C back to ``each``
 
-    def _check_sliding_score(self) -> None:
-        if self.sliding_score is None:
-            return
-        if self.sliding_score not in SCORES:
-            raise ValueError(f"sliding_score={self.sliding_score!r}; allowed: None (the layers share score) or "
-                             f"{', '.join(map(repr, SCORES))}")
-        if self.policy != "h2o":
-            raise ValueError(f"sliding_score={self.sliding_score!r} is an option of policy='h2o'; "
-                             f"policy={self.policy!r} reads no scores")
-        if not self.compress_sliding:
-            raise ValueError(f"sliding_score={self.sliding_score!r} is the score of the sliding-window layers that "
-                             "compress_sliding=True puts under the policy; without it they keep their window and "
-                             "never choose")
-        try:
-            self.rule_for(window=1)  # the sliding layers' score with the shared decay and pooling
-        except ValueError as exc:
-            raise ValueError(f"sliding_score={self.sliding_score!r}: {exc}") from None
-
     def layer_rules(self, windows: Sequence[int]) -> list[str]:
         """The ``EvictionRule.spec`` of every layer (``windows``: each layer's sliding window, 0 = full
         attention), what the graph's h2o ops carry. ValueError when ``sliding_score`` is given for a model that
         lacks one of the two kinds of layer (it would silently do nothing, or replace ``score`` on every
         layer)."""
         sliding = sum(1 for w in windows if w > 0)
-        if self.sliding_score is not None and sliding in (0, len(windows)):
+        if self.rule.sliding_score is not None and sliding in (0, len(windows)):
             kind = "no sliding-window layer" if sliding == 0 else "no full-attention layer"
-            raise ValueError(f"sliding_score={self.sliding_score!r} sets the sliding-window layers' score apart "
-                             f"from the full-attention layers', but this model has {kind}; use score= alone")
-        return [self.rule_for(window).spec for window in windows]
-
-    @property
-    def rule(self) -> EvictionRule:
-        """The eviction rule of the full-attention layers, and of every layer without ``sliding_score``
-        (kernels/rules.py); its ``spec`` is what the graph carries."""
-        return EvictionRule(self.policy, self.score, self.score_decay, self.prompt_pool)
-
-    def rule_for(self, window: int) -> EvictionRule:
-        """The eviction rule of a layer whose sliding window is ``window`` (0 = full attention)."""
-        if window > 0 and self.sliding_score is not None:
-            return EvictionRule(self.policy, self.sliding_score, self.score_decay, self.prompt_pool)
-        return self.rule
+            raise ValueError(f"sliding_score={self.rule.sliding_score!r} sets the sliding-window layers' score "
+                             f"apart from the full-attention layers', but this model has {kind}; use score= alone")
+        return [self.rule.eviction_rule(self.policy, window).spec for window in windows]
 
     def position_cap(self, max_positions: Optional[int]) -> int:
         """D the ops cap distances at: ``max_distance`` or half of ``max_positions`` (the model's) with
@@ -275,7 +365,7 @@ class H2OConfig:
     @property
     def scores_prompt_specially(self) -> bool:
         """Whether the prompt block needs the run-time ``query_from`` input (a window or pooling)."""
-        return self.policy == "h2o" and (self.prompt_window is not None or self.prompt_pool > 1)
+        return self.policy == "h2o" and (self.rule.prompt_window is not None or self.rule.prompt_pool > 1)
 
     def capacity(self, total_len: int) -> int:
         """Cache slots C for a sequence of ``total_len`` tokens (prompt + new tokens).

@@ -7,44 +7,19 @@ Two flavours of the same computation (see kernels/reference.py for the contract 
 - ``torch.ops.h2o.attention`` takes the state and returns ``(out, key_cache, value_cache, score_cache,
   pos_cache)``; ONNX export uses it, because exported graphs cannot mutate their inputs.
 
-Backend choice: the reference op everywhere, or the Triton kernels for CUDA tensors when they are
-importable. ``H2O_COMPILE_BACKEND=reference|triton`` forces one for debugging.
+Which kernels compute them is decided in h2o_compile/backends.py.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from . import backends
 from .kernels import native_cpu, reference
 from .kernels.rolling import as_tables
-
-_BACKEND_ENV = "H2O_COMPILE_BACKEND"
-_BACKENDS = ("auto", "reference", "triton")
-
-
-def backend_for(device: torch.device) -> str:
-    """``reference`` or ``triton`` for tensors on ``device``, honouring ``H2O_COMPILE_BACKEND``."""
-    forced = os.environ.get(_BACKEND_ENV, "auto")
-    if forced not in _BACKENDS:
-        raise ValueError(f"{_BACKEND_ENV}={forced!r}; allowed: {', '.join(_BACKENDS)}")
-    if forced != "auto":
-        return forced
-    if device.type == "cuda" and _triton_available():
-        return "triton"
-    return "reference"
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                  key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
@@ -133,13 +108,8 @@ def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Option
     state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
     kind = dict(window=window, softcap=softcap, sink_logits=sink_logits,
                 rope=as_tables(rope_cos, rope_sin, max_distance), query_from=query_from)
-    if backend_for(q.device) == "triton":
-        from .kernels import triton_ops
-
-        return triton_ops.h2o_attention_(q, k, v, positions, valid, state, scale=scale, recent=recent,
-                                         sinks=sinks, policy=policy, seed=seed, **kind)
-    return reference.h2o_attention_(q, k, v, positions, valid, state, scale=scale, recent=recent,
-                                    sinks=sinks, policy=policy, seed=seed, **kind)
+    return backends.h2o_attention_(q, k, v, positions, valid, state, scale=scale, recent=recent, sinks=sinks,
+                                   policy=policy, seed=seed, **kind)
 
 
 @attention_.register_fake
@@ -163,10 +133,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optiona
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
                  window, softcap, sink_logits, query_from, key_scale, value_scale)
     state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
-    out, new = reference.h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
-                                       sinks=sinks, policy=policy, seed=seed, window=window, softcap=softcap,
-                                       sink_logits=sink_logits,
-                                       rope=as_tables(rope_cos, rope_sin, max_distance), query_from=query_from)
+    out, new = backends.h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
+                                      sinks=sinks, policy=policy, seed=seed, window=window, softcap=softcap,
+                                      sink_logits=sink_logits,
+                                      rope=as_tables(rope_cos, rope_sin, max_distance), query_from=query_from)
     fresh = tuple(x.clone() if x is y else x for x, y in zip(new.tensors(), state.tensors()))
     no_scales = () if state.quantized else (score_cache.new_empty(0), score_cache.new_empty(0))
     return (out,) + fresh + no_scales

@@ -12,11 +12,12 @@ from torch import Tensor, nn
 from . import generation
 from .capture import capture
 from .compiling import check_compile, check_regional_compile, compile_step, compile_step_by_layer, freezes_weights
-from .config import H2OConfig
+from .backends import backend_for, check_served, decode_step_graph
 from .cache_plan import CachePlan
+from .config import H2OConfig
 from .kernels import native_cpu
-from .ops import backend_for
-from .passes import (LayerSpec, cache_rotary_tables, find_attention_sites, find_rotary, fuse_decode_bookkeeping,
+from .presets import PRESET_OPTIONS
+from .passes import (LayerSpec, cache_rotary_tables, find_attention_sites, find_rotary,
                      last_position_logits, move_rotary_into_ops, rewrite_attention, runtime_recent_graph,
                      set_h2o_params, state_names, weight_major_linears)
 from .passes.h2o_attention import copy_graph_module
@@ -30,22 +31,6 @@ def _positive_ints(name: str, values) -> list[int]:
     if bad or not values:
         raise ValueError(f"{name}={values!r} must be ints >= 1")
     return values
-
-
-def decode_step_graph(graph: torch.fx.GraphModule, mode: str, device: torch.device) -> torch.fx.GraphModule:
-    """The graph H2OModel compiles for its one-token step in ``mode``. With the reference backend (CPU) a copy
-    sharing the weights whose eviction bookkeeping is plain torch ops Inductor fuses
-    (passes.fuse_decode_bookkeeping; the Triton decode kernel fuses it on GPU), on CPU its attention through
-    the native op where it is built (kernels/native_cpu.py) and its linear layers as
-    ``weight @ x^T`` or through the native ``rows_linear`` where it is built (passes/weight_major_linear.py)
-    unless the mode freezes the weights, which Inductor then prepacks in their ``aten.linear`` form."""
-    if backend_for(device) != "reference":
-        return graph
-    native = device.type == "cpu" and native_cpu.available()
-    step = fuse_decode_bookkeeping(graph, native=native)
-    if device.type == "cpu" and not freezes_weights(mode, device):
-        weight_major_linears(step, native=native)
-    return step
 
 
 class H2OModel(nn.Module):
@@ -304,7 +289,7 @@ class H2OModel(nn.Module):
         if not cfg.scores_prompt_specially:
             return None
         lengths = valid.sum(dim=1)                                                # [B]
-        window = cfg.prompt_window
+        window = cfg.rule.prompt_window
         return lengths - window if window is not None else torch.zeros_like(lengths)
 
     def _check_positions(self, t: int) -> None:
@@ -416,51 +401,56 @@ def check_layer_kinds(name: str, sites, limits: ModelLimits) -> None:
                 f"config says attn_logit_softcapping={limits.softcap or None}")
 
 
-def optimize(model: nn.Module, budget: Union[float, int] = 0.2, *, recent_ratio: float = 0.5,
-             sink_tokens: Optional[int] = None, policy: str = "h2o", prefill: Union[str, int] = "full",
-             seed: int = 0, compress_sliding: bool = False, global_share: float = 1.0, positions: str = "true",
-             max_distance: Optional[int] = None, score: str = "sum",
-             score_decay: float = 1.0, prompt_window: Optional[int] = None, prompt_pool: int = 1,
-             kv_dtype: str = "model", sliding_score: Optional[str] = None, compile: Union[str, bool] = "auto",
-             regional_compile: bool = False) -> H2OModel:
+def optimize(model: nn.Module, budget: Union[float, int, None] = None, *, config: Union[H2OConfig, str, None] = None,
+             compile: Union[str, bool] = "auto", regional_compile: bool = False, **options) -> H2OModel:
     """Turn a transformers causal LM into an :class:`H2OModel` whose KV cache keeps ``budget`` of the sequence.
 
     Args:
-        budget: float in (0, 1] (fraction of prompt + new tokens) or int (cache slots).
-        recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding, global_share, positions,
-            max_distance: see :class:`H2OConfig`.
-        score, score_decay, prompt_window, prompt_pool, sliding_score: the score rule of policy ``h2o``
-            (:class:`H2OConfig`; ``sliding_score`` the compressed sliding-window layers' own score); the
-            defaults are the paper's.
-        kv_dtype: ``"model"`` or ``"int8"`` (kept keys and values as int8 with one scale per vector, about a
-            quarter of the fp32 state; :class:`H2OConfig`).
+        budget: float in (0, 1] (fraction of prompt + new tokens) or int (cache slots); None = the config's
+            (0.2 unless it says otherwise).
+        config: an :class:`H2OConfig`, a preset name (``"paper"``, the default; ``"recommended"``; every name
+            of ``h2o_compile.PRESETS``) or a rule string (``"max+decay=0.99"``, h2o_compile/presets.py).
+        **options: any H2OConfig or ScoreRule field, applied on top of ``config`` (``H2OConfig.replace``):
+            ``optimize(model, 0.1, config="recommended", kv_dtype="int8")``.
         compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU) once
             for every batch size and capacity (dynamic shapes; :meth:`H2OModel.warmup` compiles it ahead).
-            ``"auto"`` does so on CUDA only: on CPU the one cold compile (~23 s for the benchmarks' KV-bound
-            model) saved 2.5-4 ms per decode step, so it paid back only after some 9,000-58,000 generated
-            tokens (docs/results/compile_shapes.md, measured before the compiled CPU step's linears ran
-            weight-major, which took its step from 22-26 to 9-12 ms at batch 2 in
-            docs/results/serve_cpu_decode_heavy.md; eager was not re-measured); eager is the better default
-            for a script that calls
-            generate a few times, ``compile=True`` for a long-running server. A
-            torch.compile mode (``"default"``, ``"reduce-overhead"``, ...) compiles with that mode. On CPU
-            ``"max-autotune"`` also freezes the weights (see :func:`compile_step`): the fastest CPU decode,
+            ``"auto"`` does so on CUDA only: on CPU the one cold compile takes tens of seconds and pays back
+            only after many thousands of generated tokens (docs/results/compile_shapes.md), so eager is the
+            better default for a script that calls generate a few times, ``compile=True`` for a long-running
+            server. A torch.compile mode (``"default"``, ``"reduce-overhead"``, ...) compiles with that mode. On
+            CPU ``"max-autotune"`` also freezes the weights (see :func:`compile_step`): the fastest CPU decode,
             after a longer first compile.
         regional_compile: with ``compile`` on CPU, compile the step one decoder layer at a time, each kind of
-            layer once, its code run for every layer of that kind (passes/layer_regions.py): the first compile
-            is 2-3.5x shorter, each step after it slower by a compiled call per layer (+5% on Gemma 3 270M,
-            +11-13% on the benchmarks' KV-bound model: docs/results/compile_regions_cpu/compile_regions.md); for
-            processes that compile often and decode little. Not with a mode that
-            freezes the weights, nor on CUDA (ValueError).
+            layer once, its code run for every layer of that kind (passes/layer_regions.py): a shorter first
+            compile, each step after it slower by a compiled call per layer
+            (docs/results/compile_regions_cpu/compile_regions.md); for processes that compile often and decode
+            little. Not with a mode that freezes the weights, nor on CUDA (ValueError).
+    Raises:
+        UnsupportedModelError for a model it cannot serve; ValueError / TypeError naming a bad option, or a
+        setting the model's backend does not serve (h2o_compile/backends.py).
     """
-    config = H2OConfig(budget=budget, recent_ratio=recent_ratio, sink_tokens=sink_tokens, policy=policy,
-                       prefill=prefill, seed=seed, compress_sliding=compress_sliding, global_share=global_share,
-                       positions=positions, max_distance=max_distance, score=score, score_decay=score_decay,
-                       prompt_window=prompt_window, prompt_pool=prompt_pool, kv_dtype=kv_dtype,
-                       sliding_score=sliding_score)
+    config = resolve_config(config, budget, options)
     check_compile(compile)
+    device = next(model.parameters()).device if isinstance(model, nn.Module) and any(True for _ in model.parameters()) \
+        else torch.device("cpu")
+    check_served(config, "Triton" if backend_for(device) == "triton" else "reference")
     graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized,
                                         max_distance=config.max_distance)
     config.layer_shares([spec.window for spec in layers])  # a share the model's layers cannot take fails here
     check_regional_compile(regional_compile)
     return H2OModel(model, graph, layers, config, limits, compile=compile, regional_compile=regional_compile)
+
+
+def resolve_config(config: Union[H2OConfig, str, None], budget, options: dict) -> H2OConfig:
+    """``config`` (an H2OConfig, a preset name or a rule string; None = the paper's) with ``budget`` and
+    ``options`` applied."""
+    if config is None:
+        config = H2OConfig()
+    elif isinstance(config, str):
+        config = H2OConfig.parse(config)
+    elif not isinstance(config, H2OConfig):
+        raise TypeError(f"config={config!r} must be an H2OConfig, a preset name ({', '.join(PRESET_OPTIONS)}) or "
+                        "a rule string such as 'max+decay=0.99'")
+    if budget is not None:
+        options = {"budget": budget, **options}
+    return config.replace(**options) if options else config

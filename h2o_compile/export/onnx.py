@@ -42,9 +42,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..backends import check_served
 from ..cache_plan import CachePlan
 from ..config import H2OConfig
-from ..kernels.rules import POLICY_CODES, SCORES, parse_rule
+from ..kernels.rules import POLICY_CODES, parse_rule
 from ..passes import set_h2o_params
 from ..passes.h2o_attention import state_fields
 from ..support import check_supported
@@ -52,13 +53,15 @@ from ..support import check_supported
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "h2o_config.json"
 FORMAT = "h2o_compile.onnx"
-FORMAT_VERSION = 4  # 2: the H2OAttention function takes rotary tables (rolling positions); 3: kv_dtype;
-#                    4: its max_distance attribute (capped distances)
+FORMAT_VERSION = 5  # 2: the H2OAttention function takes rotary tables (rolling positions); 3: kv_dtype;
+#                    4: its max_distance attribute (capped distances); 5: the H2OConfig as config.to_dict()
+# The scores the ONNX function and export/native/h2o_rule.h compute (kScoreMean, kScorePeak there); the
+# capability table (h2o_compile/backends.py) refuses the others before an export.
+ONNX_SCORE_CODES = {"sum": 0, "mean": 1, "max": 2}
 SUPPORTED_OPSETS = range(18, 24)  # the function body is written with opset 18 ops, unchanged up to 23
 _DTYPES = {torch.float32: "float32", torch.float16: "float16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json", "chat_template.jinja")
-_UNSET = object()
 
 
 def state_input_names(num_layers: int, quantized: bool = False) -> list[str]:
@@ -95,7 +98,7 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
     out, keys, values, scores, slots = H2OAttentionNode(
         q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, sink_logits, rope_cos, rope_sin,
         scale=float(scale), recent=int(recent), sinks=int(sinks), policy=POLICY_CODES[rule.policy], seed=int(seed),
-        window=int(window), softcap=float(softcap), rolling=int(rolling), score=SCORES.index(rule.score),
+        window=int(window), softcap=float(softcap), rolling=int(rolling), score=ONNX_SCORE_CODES[rule.score],
         decay=float(rule.decay), max_distance=int(max_distance))
     if key_scale is None:  # the op's two scale outputs are empty and unused
         none = op.Constant(value_floats=[])
@@ -104,52 +107,30 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
     return out, keys, values, scores, slots, new_key_scale, new_value_scale
 
 
-_RULE_FIELDS = ("global_share", "max_distance", "score", "score_decay", "prompt_window", "prompt_pool", "kv_dtype",
-                "sliding_score")
+def _resolve_config(model, config, options: dict) -> tuple[nn.Module, H2OConfig]:
+    """An H2OModel lends its H2OConfig (``config`` / ``options`` win); a transformers model gets ``config``
+    (default: the paper's) with ``options``."""
+    from ..runtime import H2OModel, resolve_config
 
-
-def _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed, compress_sliding=_UNSET,
-                    positions=_UNSET, **rule_options) -> tuple[nn.Module, H2OConfig]:
-    """An H2OModel lends its H2OConfig (explicit arguments win); a transformers model gets the defaults.
-    ``rule_options``: score, score_decay, prompt_window, prompt_pool, sliding_score (each _UNSET when not given)."""
-    from ..runtime import H2OModel
-
-    given = {"budget": budget, "recent_ratio": recent_ratio, "sink_tokens": sink_tokens, "policy": policy,
-             "prefill": prefill, "seed": seed, "compress_sliding": compress_sliding, "positions": positions,
-             **rule_options}
-    given = {k: v for k, v in given.items() if v is not _UNSET}
     if isinstance(model, H2OModel):
-        base = model.h2o_config
-        # A new policy without sink_tokens takes that policy's default sinks, as H2OConfig would.
-        sinks = None if "policy" in given and "sink_tokens" not in given else base.sink_tokens
-        fields = {"budget": base.budget, "recent_ratio": base.recent_ratio, "policy": base.policy,
-                  "prefill": base.prefill, "seed": base.seed, "sink_tokens": sinks,
-                  "compress_sliding": base.compress_sliding, "positions": base.positions,
-                  **{name: getattr(base, name) for name in _RULE_FIELDS}}
-        if given.get("positions", "capped") != "capped" and "max_distance" not in given:
-            fields["max_distance"] = None  # the model's cap belongs to its capped positions, not to the new scheme
-        fields.update(given)
-        return model.model, H2OConfig(**fields)
+        return model.model, resolve_config(model.h2o_config if config is None else config, None, options)
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"export_onnx expects a transformers causal LM or an H2OModel, "
                         f"got {type(model).__name__}")
-    return model, H2OConfig(**given)
+    return model, resolve_config(config, None, options)
 
 
-def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len: int | None = None,
-                batch_size: int | None = None, policy=_UNSET, recent_ratio=_UNSET, sink_tokens=_UNSET,
-                prefill=_UNSET, seed=_UNSET, compress_sliding=_UNSET, global_share=_UNSET, positions=_UNSET,
-                max_distance=_UNSET, score=_UNSET, score_decay=_UNSET, prompt_window=_UNSET, prompt_pool=_UNSET,
-                kv_dtype=_UNSET, sliding_score=_UNSET, opset: int = 18, tokenizer=None, op: str = "function"
-                ) -> Path:
+def export_onnx(model, out_dir: str | os.PathLike, *, config=None, max_seq_len: int | None = None,
+                batch_size: int | None = None, opset: int = 18, tokenizer=None, op: str = "function",
+                **options) -> Path:
     """Export ``model`` (a transformers causal LM or an :class:`H2OModel`) with its H2O cache to ``out_dir``.
 
     Args:
-        budget, policy, recent_ratio, sink_tokens, prefill, seed, compress_sliding, global_share, positions,
-            max_distance, score, score_decay, sliding_score: as :class:`H2OConfig` (prompt_window and
-            prompt_pool are declined: the exported graph has no input marking the prompt block), kv_dtype
-            (default: the H2OModel's own settings, else H2OConfig's defaults). ``prefill`` is recorded for the
-            ORT model.
+        config: an H2OConfig, preset name or rule string (as :func:`optimize`); default: the H2OModel's own
+            config, else the paper's. ``**options``: H2OConfig / ScoreRule fields applied on top. What the ONNX
+            backends do not serve (a prompt window: the exported graph has no input marking the prompt block;
+            a score outside the ONNX function's) is refused by name (h2o_compile/backends.py). ``prefill`` is
+            recorded for the ORT model.
         max_seq_len: the longest prompt + new tokens the export serves (default: the model's
             max_position_embeddings, at most 2048). Fixes the capacity C = capacity(max_seq_len) (and each
             sliding-window layer's own slot count, H2OConfig.layer_params).
@@ -167,12 +148,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     """
     from ..runtime import build_graph  # runtime imports export lazily via the package; avoid a cycle
 
-    hf_model, config = _resolve_config(model, budget, recent_ratio, sink_tokens, policy, prefill, seed,
-                                       compress_sliding, positions, global_share=global_share,
-                                       max_distance=max_distance, score=score,
-                                       score_decay=score_decay,
-                                       prompt_window=prompt_window, prompt_pool=prompt_pool, kv_dtype=kv_dtype,
-                                       sliding_score=sliding_score)
+    hf_model, config = _resolve_config(model, config, options)
     _check_op(op, config)
     if opset not in SUPPORTED_OPSETS:
         raise ValueError(f"opset={opset!r}; allowed: {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
@@ -184,10 +160,6 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
         max_seq_len = min(max_pos or 2048, 2048)
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
         raise ValueError(f"max_seq_len={max_seq_len!r} must be an int >= 1 (prompt + new tokens)")
-    if config.scores_prompt_specially:
-        raise ValueError(f"prompt_window={config.prompt_window} / prompt_pool={config.prompt_pool}: the exported "
-                         "graph has no input that marks the prompt block, so the ONNX export serves score, "
-                         "score_decay and the paper's prompt scoring only (prompt_window=None, prompt_pool=1)")
     capacity = config.capacity(max_seq_len)
     recent = config.recent_window(capacity)
     limits = check_supported(hf_model)  # from the config, before the slow capture
@@ -207,13 +179,8 @@ def export_onnx(model, out_dir: str | os.PathLike, *, budget=_UNSET, max_seq_len
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "model_file": MODEL_FILE,
-        "budget": config.budget, "policy": config.policy, "recent_ratio": config.recent_ratio,
-        "sink_tokens": config.sink_tokens, "seed": config.seed, "prefill": config.prefill,
-        "compress_sliding": config.compress_sliding, "global_share": config.global_share,
-        "positions": config.positions, "max_distance": config.position_cap(limits.max_positions) or None,
-        "score": config.score, "score_decay": config.score_decay, "sliding_score": config.sliding_score,
-        "kv_dtype": config.kv_dtype,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "model_file": MODEL_FILE, "config": config.to_dict(),
+        "max_distance": config.position_cap(limits.max_positions) or None,
         "capacity": capacity, "recent": recent, "max_seq_len": max_seq_len, "batch_size": batch_size,
         "opset": opset, "op": op, "dtype": _DTYPES[dtype], "vocab_size": int(hf_model.config.vocab_size),
         "num_layers": len(layers),
@@ -232,10 +199,13 @@ OPS = ("function", "native")
 
 
 def _check_op(op, config: H2OConfig) -> None:
-    """``op`` is one of OPS. Both serve int8 entries: the H2OAttention node itself always sees dequantized
-    caches (_h2o_translation), so the native kernel computes the same contract."""
+    """``op`` is one of OPS and its backends serve ``config`` (the function's, or the native op's on CPU and
+    CUDA). Both serve int8 entries: the H2OAttention node itself always sees dequantized caches
+    (_h2o_translation), so the native kernel computes the same contract."""
     if op not in OPS:
         raise ValueError(f"op={op!r}; allowed: {', '.join(map(repr, OPS))}")
+    for backend in (("ONNX function",) if op == "function" else ()) + ("native ORT CPU", "native ORT CUDA"):
+        check_served(config, backend)
 
 
 def _export_program(graph, plan: CachePlan, batch_size: int | None, opset: int, function_body: bool = True):

@@ -26,7 +26,9 @@ from torch import Tensor
 
 from .. import generation
 from ..cache_plan import CachePlan
-from .onnx import CONFIG_FILE, FORMAT, MODEL_FILE, TOKENIZER_FILES, state_input_names, state_output_names
+from ..config import H2OConfig
+from .onnx import (CONFIG_FILE, FORMAT, FORMAT_VERSION, MODEL_FILE, TOKENIZER_FILES, state_input_names,
+                   state_output_names)
 
 _PROVIDER_ALIASES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _COMPANION_FILES = ("config.json", "generation_config.json") + TOKENIZER_FILES
@@ -60,6 +62,10 @@ class H2OOrtModel:
                  generation_config=None, tokenizer=None, native: bool = False, in_place: bool = False):
         if meta.get("format") != FORMAT:
             raise ValueError(f"not an h2o_compile ONNX export (format={meta.get('format')!r})")
+        if meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"this export has format_version={meta.get('format_version')!r}; this library reads "
+                             f"{FORMAT_VERSION}: export the model again with export_onnx()")
+        self.h2o_config = H2OConfig.from_dict(meta["config"])
         self.session = session
         self.meta = meta
         self.model_dir = model_dir
@@ -80,7 +86,7 @@ class H2OOrtModel:
         self._vocab = vocab if isinstance(vocab, int) else int(meta["vocab_size"])
         n = int(meta["num_layers"])
         self.plan = CachePlan.from_meta(meta, self._cache_dtype)
-        quantized = meta.get("kv_dtype", "model") == "int8"
+        quantized = self.h2o_config.quantized
         self._fields = len(self.plan.layers[0].fields) if self.plan.layers else 4  # state tensors per layer
         self._past, self._present = state_input_names(n, quantized), state_output_names(n, quantized)
         self.capacity: int = int(meta["capacity"])
@@ -115,7 +121,7 @@ class H2OOrtModel:
         meta = json.loads((model_dir / CONFIG_FILE).read_text())
         provider = _choose_provider(provider)
         session_options, native = native_session.choose(native, provider, meta, session_options)
-        n, quantized = int(meta["num_layers"]), meta.get("kv_dtype", "model") == "int8"
+        n, quantized = int(meta["num_layers"]), meta.get("config", {}).get("kv_dtype") == "int8"
         # int8 state feeds the dequantizing ops, not the node: never in place (state_in_place says so).
         in_place = native and native_session.state_in_place(model_dir / MODEL_FILE, state_input_names(n, quantized),
                                                             state_output_names(n, quantized))
@@ -256,7 +262,7 @@ class H2OOrtModel:
                                                              int(self.meta["vocab_size"]))
         t = input_ids.shape[1]
         self._fed += t
-        chunk = self.meta.get("prefill", "full")
+        chunk = self.h2o_config.prefill
         chunk = t if chunk == "full" or t == 1 else int(chunk)
         logits = [self._run(input_ids[:, i:i + chunk], positions[:, i:i + chunk], valid[:, i:i + chunk])
                   for i in range(0, t, chunk)]

@@ -39,10 +39,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import cpu_prefill, native_cpu
 from .quantized import EMPTY_SCALE, dequantize
 from .rolling import RopeTables, rotate_block
-from .rules import POLICY_CODES, EvictionRule, parse_rule, random_priority  # noqa: F401  (re-exported)
+from .rules import POLICY_CODES, SCORES, EvictionRule, parse_rule, random_priority  # noqa: F401  (re-exported)
 from .rules import accumulate, carried_scores, eviction_priority, live_entries, pool_block_scores, query_weights
 from .state import (H2OState, QuantizedState, copy_state_, empty_state, make_state,  # noqa: F401  (re-exported)
                     readable, stored_entries)
@@ -72,8 +71,9 @@ _LOGITS_PER_CHUNK = 1 << 22  # fp32 logits held at once by `attend` (16 MiB): qu
 def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: Tensor,
            query_valid: Tensor, scale: float, new_from: Optional[int] = None, *, window: int = 0,
            softcap: float = 0.0, sink_logits: Optional[Tensor] = None,
-           query_weight: Optional[Tensor] = None, peak: bool = False) -> tuple[Tensor, Tensor]:
-    """Masked attention that also returns the probability mass each key received.
+           query_weight: Optional[Tensor] = None, peak: bool = False, need_mass: bool = True
+           ) -> tuple[Tensor, Tensor]:
+    """Masked attention that also returns the probability mass each key received (zeros without ``need_mass``).
 
     Queries are processed in chunks, so the [T, S] probabilities never exist at once. With ``new_from`` (the
     index where the block's own keys start, i.e. C), a chunk of queries ending at block index t1 reads only
@@ -116,6 +116,8 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: 
         probs.masked_fill_(hidden, 0.0)
         outs.append(torch.matmul(probs.view(b, hkv, group * (t1 - t0), s), values[:, :, :s])
                     .view(b, hkv, group, t1 - t0, -1))
+        if not need_mass:
+            continue
         per_query = probs.sum(dim=2)                                             # [B, Hkv, tc, s]
         if query_weight is not None:
             per_query = per_query * query_weight[:, None, t0:t1, None].float()
@@ -136,25 +138,11 @@ def _block_inputs(k, positions, valid):
     return valid, new_pos[:, None, :].expand(b, hkv, t), newest
 
 
-def attend_block(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, positions: Tensor, valid: Tensor,
-                 scale: float, *, new_from: int, window: int, softcap: float, sink_logits: Optional[Tensor],
-                 query_weight: Optional[Tensor], need_mass: bool, peak: bool = False) -> tuple[Tensor, Tensor]:
-    """The attention of a block over (cache + block) on the reference path: torch's fused attention where it
-    applies (the mass only where a rule reads it, kernels/cpu_prefill.py), else :func:`attend`.
-    Shapes as :func:`attend`; the Triton backend passes its own function of this signature."""
-    if cpu_prefill.supports(q, softcap):
-        return cpu_prefill.attend_sdpa(q, keys, values, key_pos, positions, valid, scale, new_from=new_from,
-                                       window=window, sink_logits=sink_logits, query_weight=query_weight,
-                                       need_mass=need_mass, peak=peak)
-    return attend(q, keys, values, key_pos, positions, valid, scale, new_from=new_from, window=window,
-                  softcap=softcap, sink_logits=sink_logits, query_weight=query_weight, peak=peak)
-
-
 def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                   state: H2OState, *, scale: float, recent: int, sinks: int, policy: str,
                   seed: int = 0, window: int = 0, softcap: float = 0.0,
                   sink_logits: Optional[Tensor] = None, rope: Optional[RopeTables] = None,
-                  query_from: Optional[Tensor] = None, attend_fn=attend_block) -> tuple[Tensor, H2OState]:
+                  query_from: Optional[Tensor] = None, attend_fn=None) -> tuple[Tensor, H2OState]:
     """Functional H2O attention over one block of T >= 1 new tokens (the general path).
 
     Args:
@@ -169,7 +157,8 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
             attention only. None = true positions.
         query_from: [B] int64 or None; given with the prompt block only: queries before it add no mass, and
             the rule's prompt pooling applies (kernels/rules.py).
-        attend_fn: the attention of the block, :func:`attend_block`'s signature (the Triton backend's kernel).
+        attend_fn: the attention of the block, :func:`attend`'s signature plus ``need_mass``; None = :func:`attend`
+            (h2o_compile/backends.py passes torch's fused CPU attention or the Triton prefill).
     Returns:
         out [B, Hq, T, Dv] and the new state. The block attends over C + T keys; ``attend`` takes the queries
         in chunks, so a whole prompt (prefill "full") never holds all [B, Hq, T, C + T] probabilities.
@@ -183,10 +172,10 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
     values_seen = torch.cat([seen.value_cache, v.to(seen.value_cache.dtype)], dim=2)
     all_pos = torch.cat([state.pos_cache, new_pos], dim=2)                                 # [B, Hkv, C+T]
     weight = query_weights(rule, positions, valid, query_from)
-    out, mass = attend_fn(q_seen, keys_seen, values_seen, all_pos, positions, valid, scale, new_from=cap,
+    out, mass = (attend_fn or attend)(q_seen, keys_seen, values_seen, all_pos, positions, valid, scale, new_from=cap,
                           window=window, softcap=softcap, sink_logits=sink_logits, query_weight=weight,
                           need_mass=rule.reads_mass, peak=rule.peak)
-    all_scores = block_scores(rule, state.score_cache, mass, valid, query_from)
+    all_scores = block_scores(rule, state.score_cache, mass, valid, query_from, k)
     if not state.quantized and rope is None:  # what was attended is what is stored
         entries = H2OState(keys_seen, values_seen, all_scores, all_pos)
     else:
@@ -200,16 +189,19 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
 
 
 def block_scores(rule: EvictionRule, score_cache: Tensor, mass: Tensor, valid: Tensor,
-                 query_from: Optional[Tensor]) -> Tensor:
+                 query_from: Optional[Tensor], new_keys: Tensor) -> Tensor:
     """The scores of the C cached entries and the T new ones after a block (step 3 of DESIGN.md section 2,
     with the rule's decay and prompt pooling); shared by every path that attends over a whole block.
 
     Args:
         score_cache: [B, Hkv, C] fp32; mass: [B, Hkv, C+T] fp32, already weighted by rules.query_weights;
-        valid: [B, T] bool; query_from: [B] int64 or None (None: not the prompt, no pooling).
+        valid: [B, T] bool; query_from: [B] int64 or None (None: not the prompt, no pooling);
+        new_keys: [B, Hkv, T, D], the block's keys as the model produced them (a query-free score reads them).
     Returns:
         [B, Hkv, C+T] fp32.
     """
+    if rule.keyed:  # the entries keep the score they were written with
+        return torch.cat([score_cache, SCORES[rule.score].key_score(new_keys)], dim=2)
     if not rule.reads_mass:  # local, sink, random, full: nothing reads a score, so none is kept
         return torch.zeros_like(mass)
     cap = score_cache.shape[-1]
@@ -311,19 +303,6 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OStat
     return out.reshape(b, hq, 1, -1).to(q.dtype), mass[..., :-1], mass[..., -1:]
 
 
-def attend_decode_step(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, state: H2OState, scale: float,
-                       new_pos: Tensor, *, window: int, softcap: float, sink_logits: Optional[Tensor]
-                       ) -> tuple[Tensor, Tensor, Tensor]:
-    """The decode step's attention on the reference path: the native CPU op where it applies (kernels/
-    native_cpu.py: CPU tensors, a float cache, the library built; one call instead of ~15 eager operators),
-    else :func:`attend_decode`. Shapes and result as :func:`attend_decode`."""
-    if native_cpu.decodes(q, state.key_cache, state.value_cache):
-        return native_cpu.attend_decode(q, k, v, valid, state.key_cache, state.value_cache, state.pos_cache, scale,
-                                        new_pos, window, softcap, sink_logits)
-    return attend_decode(q, k, v, valid, state, scale, new_pos, window=window, softcap=softcap,
-                         sink_logits=sink_logits)
-
-
 _DEQUANT_SLOTS = 256  # int8 slots converted to fp32 at a time by the decode step: the copy stays in cache
 
 
@@ -373,19 +352,21 @@ def h2o_decode_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optio
                 state: H2OState, *, scale: float, recent: int, sinks: int, policy: str,
                 seed: int = 0, window: int = 0, softcap: float = 0.0,
                 sink_logits: Optional[Tensor] = None, rope: Optional[RopeTables] = None,
-                query_from: Optional[Tensor] = None) -> Tensor:
+                query_from: Optional[Tensor] = None, attend_decode_fn=None) -> Tensor:
     """In-place H2O attention for one new token (T = 1): the decode step.
 
     Same result as :func:`h2o_attention` with T = 1, without rebuilding the cache: the new token is written
     into the first empty slot, else into the slot of the entry with the lowest (priority, position). No
     ``.item()`` and no data-dependent branching, so a CUDA graph can capture it.
 
-    Args: as :func:`h2o_attention` with T = 1. Returns out [B, Hq, 1, Dv]; ``state`` is updated in place.
+    Args: as :func:`h2o_attention` with T = 1; ``attend_decode_fn``: :func:`attend_decode`'s signature (None = it;
+    h2o_compile/backends.py passes the native CPU op). Returns out [B, Hq, 1, Dv]; ``state`` is updated in place.
     """
     valid, new_pos, newest = _block_inputs(k, positions, valid)                 # new_pos [B, Hkv, 1]
     q_seen, k_seen, state_seen = rolled_inputs(q, k, new_pos, state, rope)
-    out, mass_cache, mass_new = attend_decode_step(q_seen, k_seen, v, valid, state_seen, scale, new_pos,
-                                                   window=window, softcap=softcap, sink_logits=sink_logits)
+    out, mass_cache, mass_new = (attend_decode_fn or attend_decode)(q_seen, k_seen, v, valid, state_seen, scale,
+                                                                    new_pos, window=window, softcap=softcap,
+                                                                    sink_logits=sink_logits)
     evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent, sinks=sinks,
                      policy=policy, seed=seed, window=window, positions=positions, query_from=query_from)
     return out
@@ -414,6 +395,8 @@ def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, new
         mass_cache, mass_new = mass_cache * weight[:, :, None], mass_new * weight[:, :, None]
     if rule.reads_mass:
         scores = accumulate(rule, carried_scores(rule, score_cache, valid), mass_cache)  # [B, Hkv, C]
+    elif rule.keyed:
+        scores, mass_new = score_cache, SCORES[rule.score].key_score(k)          # [B, Hkv, 1]
     else:  # nothing reads a score: they stay 0 (a constant branch, as the rule is a constant of the graph)
         scores, mass_new = score_cache, torch.zeros_like(mass_new)
     priority = eviction_priority(rule, scores, pos_cache, newest, recent, sinks, seed, window)
@@ -445,13 +428,14 @@ def evict_and_write_(state: H2OState, k: Tensor, v: Tensor, new_pos: Tensor, new
 
 
 def h2o_attention_(q, k, v, positions, valid, state: H2OState, *, scale, recent, sinks, policy, seed=0,
-                   window=0, softcap=0.0, sink_logits=None, rope=None, query_from=None):
+                   window=0, softcap=0.0, sink_logits=None, rope=None, query_from=None, attend_fn=None,
+                   attend_decode_fn=None):
     """In-place H2O attention: the decode fast path for T = 1, else the general path copied back."""
     kind = dict(window=window, softcap=softcap, sink_logits=sink_logits, rope=rope, query_from=query_from)
     if q.shape[2] == 1:
         return h2o_decode_(q, k, v, positions, valid, state, scale=scale, recent=recent, sinks=sinks,
-                           policy=policy, seed=seed, **kind)
+                           policy=policy, seed=seed, attend_decode_fn=attend_decode_fn, **kind)
     out, new_state = h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
-                                   sinks=sinks, policy=policy, seed=seed, **kind)
+                                   sinks=sinks, policy=policy, seed=seed, attend_fn=attend_fn, **kind)
     copy_state_(state, new_state)
     return out

@@ -32,17 +32,71 @@ given ``query_from`` is also what marks a block as the prompt for pooling.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 POLICY_CODES = {"h2o": 0, "local": 1, "sink": 2, "random": 3, "full": 4}
-SCORES = ("sum", "mean", "max")
 
 _LEHMER_MOD = 2147483647  # 2^31 - 1, prime: a Lehmer generator over it is a cheap integer hash
 _LEHMER_MUL = 48271
+
+
+@dataclass(frozen=True)
+class Score:
+    """One eviction key of policy ``h2o``, registered once in :data:`SCORES` (the single extension point).
+
+    Attributes:
+        name: what users write (``score="name"``, the rule string ``score=name``).
+        summary: one line for help texts and the capability table.
+        priority: (A [B, Hkv, S] fp32, pos [B, Hkv, S] int64, newest [B, 1, 1] int64) -> [B, Hkv, S] fp32, how
+            much each entry deserves to stay (larger stays).
+        peak: a query's mass enters A through a maximum (A = max(A, M_t)) instead of a sum.
+        decays: takes ``decay`` < 1.
+        key_score: None for a score of attention; for a query-free score, keys [B, Hkv, T, D] (as the model
+            produced them) -> the score [B, Hkv, T] fp32 an entry is written with and keeps: no attention
+            mass is collected, so a prompt window or pooling has nothing to act on.
+    """
+
+    name: str
+    summary: str
+    priority: Callable[[Tensor, Tensor, Tensor], Tensor]
+    peak: bool = False
+    decays: bool = True
+    key_score: Optional[Callable[[Tensor], Tensor]] = None
+
+    @property
+    def reads_attention(self) -> bool:
+        return self.key_score is None
+
+
+SCORES: dict[str, Score] = {}
+
+
+def register_score(score: Score) -> Score:
+    """Add ``score`` to :data:`SCORES`; the torch paths (reference, compiled CPU step, Triton bookkeeping) serve it
+    at once, the others refuse it by name until their capability entry lists it (h2o_compile/backends.py)."""
+    if score.name in SCORES:
+        raise ValueError(f"score {score.name!r} is registered already")
+    SCORES[score.name] = score
+    return score
+
+
+def _accumulated(scores: Tensor, pos: Tensor, newest: Tensor) -> Tensor:
+    return scores
+
+
+register_score(Score("sum", "accumulated attention (the paper)", _accumulated))
+register_score(Score("mean", "accumulated attention per query that could see the key", decays=False,
+                     priority=lambda scores, pos, newest: scores / (newest - pos + 1).clamp(min=1).to(torch.float32)))
+# Why a peak: keys that a model's global layers read again hundreds of tokens later had one sharp look before,
+# which a (decayed) sum forgets (docs/results/eval_gemma3/probes).
+register_score(Score("max", "the largest attention one query gave the key", _accumulated, peak=True))
+# KnormPress's observation: keys with a small L2 norm draw the most attention; needs no attention at all.
+register_score(Score("knorm", "keys with the smallest L2 norm stay (query-free)", _accumulated, decays=False,
+                     key_score=lambda keys: -torch.linalg.vector_norm(keys.float(), dim=-1)))
 
 
 @dataclass(frozen=True)
@@ -60,49 +114,69 @@ class EvictionRule:
         if self.score not in SCORES:
             raise ValueError(f"score={self.score!r}; allowed: {', '.join(map(repr, SCORES))}")
         if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not 0.0 <= self.decay <= 1.0:
-            raise ValueError(f"score_decay={self.decay!r} must be a number in [0, 1] (1 = no decay)")
+            raise ValueError(f"decay={self.decay!r} must be a number in [0, 1] (1 = no decay)")
         if isinstance(self.pool, bool) or not isinstance(self.pool, int) or self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"prompt_pool={self.pool!r} must be an odd int >= 1 (1 = no pooling)")
         if self.score == "mean" and self.decay < 1.0:
             raise ValueError(f"score='mean' divides by the key's lifetime, which a decay already discounts; "
-                             f"score_decay={self.decay!r} must be 1 with it")
+                             f"decay={self.decay!r} must be 1 with it")
+        if not SCORES[self.score].decays and self.decay < 1.0:
+            raise ValueError(f"score={self.score!r} takes no decay; decay={self.decay!r} must be 1 with it")
+        if not SCORES[self.score].reads_attention and self.pool != 1:
+            raise ValueError(f"score={self.score!r} reads no attention, so there is no prompt score to pool; "
+                             f"prompt_pool={self.pool!r} must be 1 with it")
         if self.policy != "h2o" and (self.score, self.decay, self.pool) != ("sum", 1.0, 1):
-            raise ValueError(f"score, score_decay and prompt_pool are options of policy='h2o'; "
+            raise ValueError(f"score, decay and prompt_pool are options of policy='h2o'; "
                              f"policy={self.policy!r} does not read scores")
 
     @property
-    def reads_mass(self) -> bool:
-        """Whether eviction reads the attention mass at all (only ``h2o`` does; the others skip it)."""
+    def scored(self) -> bool:
+        """Whether eviction reads a score at all (only ``h2o`` does; the other policies keep none)."""
         return self.policy == "h2o"
+
+    @property
+    def reads_mass(self) -> bool:
+        """Whether the attention mass is collected (``h2o`` with a score of attention; the others skip it)."""
+        return self.scored and SCORES[self.score].reads_attention
+
+    @property
+    def keyed(self) -> bool:
+        """Whether new entries are scored from their keys (a query-free score such as ``knorm``)."""
+        return self.scored and not SCORES[self.score].reads_attention
 
     @property
     def peak(self) -> bool:
         """Whether a query's mass enters A through a maximum (``score="max"``) rather than a sum."""
-        return self.score == "max"
+        return SCORES[self.score].peak
 
     @property
     def spec(self) -> str:
-        """The string form the ops take; the bare policy name when every option is the paper's."""
+        """The rule string the ops carry, in the config's syntax (h2o_compile/config.py): the bare policy name
+        when every option is the paper's, e.g. ``"h2o+score=max+decay=0.99+prompt_pool=21"``."""
         options = [f"score={self.score}"] * (self.score != "sum") + [f"decay={self.decay!r}"] * (self.decay != 1.0)
-        options += [f"pool={self.pool}"] * (self.pool != 1)
-        return ";".join([self.policy] + options)
+        options += [f"prompt_pool={self.pool}"] * (self.pool != 1)
+        return "+".join([self.policy] + options)
 
 
 def parse_rule(spec: str) -> EvictionRule:
     """``EvictionRule.spec`` -> the rule; a ValueError names a malformed spec. (Not cached: a few string
     operations, which dynamo evaluates once while tracing.)"""
-    policy, *options = spec.split(";")
+    policy, *options = spec.split("+")
     fields = {}
     for option in options:
         name, _, value = option.partition("=")
-        if name == "score":
-            fields["score"] = value
-        elif name == "decay":
-            fields["decay"] = float(value)
-        elif name == "pool":
-            fields["pool"] = int(value)
-        else:
-            raise ValueError(f"eviction rule {spec!r}: unknown option {option!r}; allowed: score=, decay=, pool=")
+        try:
+            if name == "score":
+                fields["score"] = value
+            elif name == "decay":
+                fields["decay"] = float(value)
+            elif name == "prompt_pool":
+                fields["pool"] = int(value)
+            else:
+                raise KeyError(name)
+        except (KeyError, ValueError):
+            raise ValueError(f"eviction rule {spec!r}: cannot read {option!r}; allowed: score=NAME, decay=G, "
+                             "prompt_pool=K") from None
     return EvictionRule(policy, **fields)
 
 
@@ -139,8 +213,8 @@ def eviction_priority(rule: EvictionRule, scores: Tensor, pos: Tensor, newest: T
         [B, Hkv, S] fp32: +inf for protected entries (sinks and the recent window), -inf for entries that are
         not live (empty slots, keys outside the sliding window), which go first whatever their protection.
     """
-    if rule.policy == "h2o":
-        key = scores / (newest - pos + 1).clamp(min=1).to(torch.float32) if rule.score == "mean" else scores
+    if rule.scored:
+        key = SCORES[rule.score].priority(scores, pos, newest)
     elif rule.policy == "random":
         key = random_priority(pos, seed)
     else:

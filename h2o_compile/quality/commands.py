@@ -67,7 +67,8 @@ def cmd_stream(args) -> int:
         if bad or not values:
             raise ValueError(f"{name} {bad or values}: choose from {', '.join(allowed)}")
     for rule in args.rules:  # a bad rule fails before the model loads
-        H2OConfig(compress_sliding=args.compress_sliding, **stream_rule_options(rule, args.compress_sliding))
+        options = stream_rule_options(rule, args.compress_sliding)
+        H2OConfig.from_options(dict(compress_sliding=args.compress_sliding, **options))
     H2OConfig(recent_ratio=args.recent_ratio)  # H2OConfig's own check, before the model loads
     if args.max_distance is not None:
         if "capped" not in args.positions:
@@ -134,7 +135,7 @@ def cmd_tasks(args) -> int:
                          "(the full cache is always run unless --no-full)")
     for rule in args.rules:
         # A bad rule (or one with recent=, or global= without --compress-sliding) fails before the model loads.
-        H2OConfig(**TaskConfig("h2o", rule=rule, compress_sliding=args.compress_sliding).optimize_kwargs())
+        H2OConfig.from_options(TaskConfig("h2o", rule=rule, compress_sliding=args.compress_sliding).optimize_kwargs())
     for kv_dtype in args.kv_dtypes:
         check_kv_dtype(kv_dtype)
     part = parse_part(args.part, args.samples)

@@ -34,7 +34,7 @@ class EvalSettings:
     compile: object = True
     compress_sliding: bool = False  # sliding-window layers under the budget too (H2OConfig.compress_sliding)
     h2o_sinks: int = 0              # > 0: also h2o with that many sink tokens, reported as "h2o+<n>sinks"
-    h2o_rules: Sequence[str] = ()   # also h2o under these score rules (task_eval.parse_rule_option), "h2o[<rule>]"
+    h2o_rules: Sequence[str] = ()   # also h2o under these score rules (presets.parse_options), "h2o[<rule>]"
     kv_dtypes: Sequence[str] = ("model",)  # every configuration once per entry dtype; int8 rows are "<label>+int8"
 
     def __post_init__(self) -> None:
@@ -44,10 +44,10 @@ class EvalSettings:
             raise ValueError(f"prompt_len={self.prompt_len} must be in [1, seq_len={self.seq_len})")
         if not self.policies and not self.h2o_sinks and not self.h2o_rules:
             raise ValueError("no configuration to run: give at least one policy, h2o_sinks > 0 or an h2o rule")
-        from .task_eval import parse_rule_option
+        from ..presets import parse_options
 
         for rule in self.h2o_rules:  # a ValueError names a bad rule before the sweep starts
-            H2OConfig(compress_sliding=self.compress_sliding, **parse_rule_option(rule))
+            H2OConfig.from_options(dict(compress_sliding=self.compress_sliding, **parse_options(rule)))
         for kv_dtype in self.kv_dtypes:
             check_kv_dtype(kv_dtype)
         if self.num_seqs < 0:
@@ -131,12 +131,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def _configs(settings: EvalSettings):
     """(label, policy, sink_tokens, budget, score-rule kwargs) for every configuration the sweep runs."""
-    from .task_eval import parse_rule_option
+    from ..presets import parse_options
 
     variants = [(policy, policy, None if policy in ("sink", "full") else 0, {}) for policy in settings.policies]
     if settings.h2o_sinks:
         variants.append((f"h2o+{settings.h2o_sinks}sinks", "h2o", settings.h2o_sinks, {}))
-    variants += [(f"h2o[{rule}]", "h2o", 0, parse_rule_option(rule)) for rule in settings.h2o_rules]
+    variants += [(f"h2o[{rule}]", "h2o", 0, parse_options(rule)) for rule in settings.h2o_rules]
     for kv_dtype in settings.kv_dtypes:
         for label, policy, sinks, rule in variants:
             if kv_dtype != "model":

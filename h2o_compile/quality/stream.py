@@ -198,9 +198,9 @@ def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: i
 
 def stream_rule_options(rule: str, compress_sliding: bool = False) -> dict:
     """H2OConfig keywords of an h2o score rule for a stream; a ValueError for rules a stream cannot honour."""
-    from .task_eval import parse_rule_option
+    from ..presets import parse_options
 
-    options = parse_rule_option(rule)
+    options = parse_options(rule)
     if options.get("prompt_window") is not None or options.get("prompt_pool", 1) != 1:
         raise ValueError(f"score rule {rule!r}: a stream is fed in chunks and has no prompt for a prompt window or "
                          "pooling (window=, pool=, snapkv) to act on; use sum, mean, max, tova, decay=G, global=S or "

@@ -9,42 +9,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from ..presets import parse_options
 from .tasks import TaskSample, max_new_tokens
-
-# Score-rule presets by name (DESIGN.md section 2 "Score rules"); "+" joins options: "mean+window=64+pool=5".
-RULE_PRESETS = {"sum": {}, "mean": {"score": "mean"}, "max": {"score": "max"}, "tova": {"score_decay": 0.0},
-                "snapkv": {"prompt_window": 64, "prompt_pool": 5}}
-# Options with a value, name=V: the H2OConfig field each sets and how its value is read.
-RULE_FIELDS = {"decay": ("score_decay", float), "window": ("prompt_window", int), "pool": ("prompt_pool", int),
-               "recent": ("recent_ratio", float), "global": ("global_share", float),
-               "sliding": ("sliding_score", str)}
-
-
-def parse_rule_option(text: str) -> dict:
-    """'sum' | 'mean' | 'max' | 'tova' | 'snapkv' | 'decay=G' | 'window=W' | 'pool=K' | 'recent=R' | 'global=S' |
-    'sliding=SCORE', joined by '+' -> H2OConfig keyword arguments (recent=R: the recent window's share of the
-    cache, recent_ratio; global=S: global_share, with compress_sliding; sliding=SCORE: sliding_score, the
-    sliding-window layers' own score). A ValueError names the bad part; H2OConfig checks the values."""
-    options: dict = {}
-    for part in text.split("+"):
-        name, _, value = part.partition("=")
-        try:
-            if part in RULE_PRESETS:
-                given = dict(RULE_PRESETS[part])
-            elif name in RULE_FIELDS:
-                field_name, read = RULE_FIELDS[name]
-                given = {field_name: read(value)}
-            else:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"score rule {text!r}: cannot read {part!r}; use {', '.join(RULE_PRESETS)}, decay=G, "
-                             "window=W, pool=K, recent=R, global=S or sliding=SCORE, joined by '+'") from None
-        twice = sorted(set(given) & set(options))
-        if twice:  # e.g. "mean+max" or "tova+decay=0.9": the later part would silently win
-            raise ValueError(f"score rule {text!r}: {part!r} sets {', '.join(twice)} a second time")
-        options.update(given)
-    return options
-
 
 @dataclass(frozen=True)
 class TaskConfig:
@@ -60,7 +26,7 @@ class TaskConfig:
     kv_dtype: str = "model"  # "int8": quantized kept entries (H2OConfig.kv_dtype)
 
     def __post_init__(self) -> None:
-        if self.policy == "h2o" and "recent_ratio" in parse_rule_option(self.rule):
+        if self.policy == "h2o" and "recent_ratio" in parse_options(self.rule):
             raise ValueError(f"rule {self.rule!r}: a task configuration has its own recent_ratio (--recent-ratios); "
                              "recent= belongs to eval --h2o-rules")
 
@@ -78,7 +44,7 @@ class TaskConfig:
         dtype = {} if self.kv_dtype == "model" else {"kv_dtype": self.kv_dtype}
         if self.policy == "full":
             return dict(budget=1.0, policy="full", **dtype)
-        rule = parse_rule_option(self.rule) if self.policy == "h2o" else {}
+        rule = parse_options(self.rule) if self.policy == "h2o" else {}
         return dict(budget=self.budget, policy=self.policy, compress_sliding=self.compress_sliding,
                     sink_tokens=self.sink_tokens, recent_ratio=self.recent_ratio, **rule, **dtype)
 

@@ -30,9 +30,9 @@ CASES = {  # name -> (architecture, export op, settings)
                                                  "global_share": 1.5}),
     "llama_rolling_mean": ("llama", "native", {"budget": 6, "sink_tokens": 1, "score": "mean",
                                                "positions": "rolling"}),
-    "llama_decayed_peak": ("llama", "native", {"budget": 6, "sink_tokens": 1, "score": "max", "score_decay": 0.8}),
+    "llama_decayed_peak": ("llama", "native", {"budget": 6, "sink_tokens": 1, "score": "max", "decay": 0.8}),
     "gemma2_score_per_kind": ("gemma2", "native", {"budget": 8, "policy": "h2o", "compress_sliding": True,
-                                                   "score": "sum", "sliding_score": "max", "score_decay": 0.8}),
+                                                   "score": "sum", "sliding_score": "max", "decay": 0.8}),
     "gemma3_capped_chunked": ("gemma3", "native", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                                    "positions": "capped", "max_distance": 12, "prefill": 4}),
     # int8 entries: the node sees dequantized caches, so the state is not updated in place.

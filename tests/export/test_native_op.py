@@ -104,8 +104,8 @@ def test_policies(lib, policy, sinks):
     assert both(lib, policy, blocks=BLOCKS, sinks=sinks)[0] > 0
 
 
-@pytest.mark.parametrize("rule", ["h2o;score=mean", "h2o;decay=0.5", "h2o;decay=0.0", "h2o;decay=0.9", "h2o;score=max",
-                                  "h2o;score=max;decay=0.8"])
+@pytest.mark.parametrize("rule", ["h2o+score=mean", "h2o+decay=0.5", "h2o+decay=0.0", "h2o+decay=0.9", "h2o+score=max",
+                                  "h2o+score=max+decay=0.8"])
 @pytest.mark.parametrize("window", [0, 4])
 def test_score_rules(lib, rule, window):
     assert both(lib, rule, blocks=BLOCKS, sinks=1, window=window)[0] > 0

@@ -31,8 +31,8 @@ MAX_SEQ_LEN = 64
 # max_seq_len reset() gets; the float budget is checked at the exported max_seq_len.
 CASES = {
     "llama_h2o": ("llama", {"budget": 6, "sink_tokens": 1, "policy": "h2o"}),
-    "llama_decayed_score": ("llama", {"budget": 6, "sink_tokens": 1, "score_decay": 0.8}),
-    "llama_decayed_peak": ("llama", {"budget": 6, "sink_tokens": 1, "score": "max", "score_decay": 0.8}),
+    "llama_decayed_score": ("llama", {"budget": 6, "sink_tokens": 1, "decay": 0.8}),
+    "llama_decayed_peak": ("llama", {"budget": 6, "sink_tokens": 1, "score": "max", "decay": 0.8}),
     "gpt2_local_chunked": ("gpt2", {"budget": 7, "policy": "local", "prefill": 4}),
     "qwen3_random": ("qwen3", {"budget": 0.125, "sink_tokens": 1, "policy": "random", "seed": 7}),
     "gemma3_window_cache": ("gemma3", {"budget": 8, "sink_tokens": 1, "policy": "h2o"}),
@@ -44,7 +44,7 @@ CASES = {
     # A score per kind of layer: the peak on the full-attention layer, the decayed sum on the sliding ones.
     "gemma3_score_per_kind": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                          "global_share": 1.5, "score": "max", "sliding_score": "sum",
-                                         "score_decay": 0.8}),
+                                         "decay": 0.8}),
     # Rolling positions: the rotary tables are computed in the graph, the function rotates by rank.
     "llama_rolling": ("llama", {"budget": 6, "sink_tokens": 1, "policy": "h2o", "positions": "rolling"}),
     "gpt_neox_rolling_partial_rotary": ("gpt_neox", {"budget": 9, "sink_tokens": 2, "policy": "sink",
@@ -178,8 +178,8 @@ def test_graph_has_the_h2o_function_and_optimum_names(exported):
     assert isinstance(b, str) and isinstance(t, str) and b != t  # dynamic batch and block length
     assert dims(inputs["past_key_values.0.key"]) == [b, 2, 6, 64 // 8]  # [B, Hkv, C, D], C static
     meta = json.loads((out / "h2o_config.json").read_text())
-    assert meta["capacity"] == 6 and meta["recent"] == 3 and meta["sink_tokens"] == 1
-    assert meta["policy"] == "h2o" and meta["max_seq_len"] == MAX_SEQ_LEN and meta["dtype"] == "float32"
+    assert meta["capacity"] == 6 and meta["recent"] == 3 and meta["config"]["sink_tokens"] == 1
+    assert meta["config"]["policy"] == "h2o" and meta["max_seq_len"] == MAX_SEQ_LEN and meta["dtype"] == "float32"
     assert json.loads({p.key: p.value for p in proto.metadata_props}["h2o_compile"]) == meta
     assert (out / "config.json").is_file()
 
@@ -194,7 +194,7 @@ def test_each_layer_carries_its_own_score(exported):
     assert [a["score"] for a in attributes] == [0, 2, 0]
     assert all(abs(a["decay"] - 0.8) < 1e-6 for a in attributes)
     meta = json.loads((out / "h2o_config.json").read_text())
-    assert (meta["score"], meta["sliding_score"]) == ("max", "sum")
+    assert (meta["config"]["rule"]["score"], meta["config"]["rule"]["sliding_score"]) == ("max", "sum")
 
 
 def test_plain_session_needs_no_custom_op_library(exported):
@@ -206,7 +206,7 @@ def test_plain_session_needs_no_custom_op_library(exported):
 def test_float_budget_capacity(exported):
     _, out = exported("qwen3_random")
     meta = json.loads((out / "h2o_config.json").read_text())
-    assert meta["capacity"] == 8 and meta["budget"] == 0.125  # ceil(0.125 x 64)
+    assert meta["capacity"] == 8 and meta["config"]["budget"] == 0.125  # ceil(0.125 x 64)
 
 
 def test_save_load_round_trip(exported, tmp_path):
@@ -245,9 +245,10 @@ def test_max_seq_len_bounds_generate(exported):
     ({"batch_size": 0}, "batch_size=0"),
     ({"max_seq_len": 0}, "max_seq_len=0"),
     ({"budget": 4, "sink_tokens": 3}, "sink_tokens"),
-    ({"prompt_window": 8}, "prompt_window=8 / prompt_pool=1: the exported graph has no input"),
+    ({"prompt_window": 8}, "prompt_window=8 / prompt_pool=1 is not served by the ONNX function .the exported graph "
+                           "has no input"),
     ({"sliding_score": "max", "compress_sliding": True}, "has no sliding-window layer"),
-    ({"score": "mean", "score_decay": 0.5}, "score_decay=0.5 must be 1"),
+    ({"score": "mean", "decay": 0.5}, "decay=0.5 must be 1"),
 ])
 def test_bad_export_arguments_raise_value_error(tmp_path, kwargs, match):
     model = build("llama")
@@ -301,7 +302,7 @@ def test_export_from_an_h2o_model_samples_and_streams_like_it(tmp_path):
     theirs = h2o_compile.optimize(build("llama", seed=1), compile=False, **settings)
     out = export_onnx(theirs, tmp_path / "from_h2o", max_seq_len=MAX_SEQ_LEN)
     meta = json.loads((out / "h2o_config.json").read_text())
-    assert {k: meta[k] for k in settings} == settings
+    assert {k: meta["config"][k] for k in settings} == settings
     ours = H2OOrtModel.from_pretrained(out, provider="cpu")
     ids, mask = prompts(seed=9)
     sample = dict(max_new_tokens=16, do_sample=True, temperature=0.9, top_k=30, top_p=0.95, pad_token_id=0)

@@ -123,8 +123,8 @@ def test_function_equals_reference(policy, sinks):
     assert evictions > 0  # the comparison covered eviction, not only appends
 
 
-@pytest.mark.parametrize("rule", ["h2o;score=mean", "h2o;decay=0.5", "h2o;decay=0.0", "h2o;decay=0.9", "h2o;score=max",
-                                  "h2o;score=max;decay=0.8"])
+@pytest.mark.parametrize("rule", ["h2o+score=mean", "h2o+decay=0.5", "h2o+decay=0.0", "h2o+decay=0.9", "h2o+score=max",
+                                  "h2o+score=max+decay=0.8"])
 @pytest.mark.parametrize("window", [0, 4])
 def test_score_rules_equal_reference(rule, window):
     evictions, _ = run_sequence(rule, blocks=BLOCKS, sinks=1, window=window)

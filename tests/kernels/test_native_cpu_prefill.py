@@ -148,7 +148,7 @@ def test_the_library_is_built_once_per_torch_and_source():
 
 
 @needs_compiler
-@pytest.mark.parametrize("policy,window,taken", [("h2o", 0, True), ("h2o;score=max", 0, True), ("sink", 0, False),
+@pytest.mark.parametrize("policy,window,taken", [("h2o", 0, True), ("h2o+score=max", 0, True), ("sink", 0, False),
                                                   ("local", 0, False), ("h2o", 8, True), ("sink", 8, True)])
 def test_the_op_prefill_takes_the_one_pass_where_a_rule_reads_the_mass(monkeypatch, policy, window, taken):
     """A first prompt through the whole H2O op: the paper's rule and the peak (scores read) through the one-pass

@@ -169,9 +169,9 @@ def test_a_prompt_window_is_the_same_in_chunks():
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("h2o;score=peak", "score='peak'"), ("h2o;decay=1.5", "score_decay=1.5"), ("h2o;pool=4", "prompt_pool=4"),
-    ("h2o;score=mean;decay=0.5", "score_decay=0.5 must be 1"), ("sink;score=mean", "policy='sink'"),
-    ("h2o;window=3", "unknown option 'window=3'"), ("lru", "policy='lru'"),
+    ("h2o+score=peak", "score='peak'"), ("h2o+decay=1.5", "decay=1.5"), ("h2o+prompt_pool=4", "prompt_pool=4"),
+    ("h2o+score=mean+decay=0.5", "decay=0.5 must be 1"), ("sink+score=mean", "policy='sink'"),
+    ("h2o+window=3", "cannot read 'window=3'"), ("lru", "policy='lru'"),
 ])
 def test_bad_rules_are_named(spec, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -34,9 +34,9 @@ def triton_backend(triton_device, monkeypatch):
 
 
 @pytest.mark.parametrize("name,rule", [
-    ("gemma3", dict(score="max", sliding_score="sum", score_decay=0.9)),
-    ("gemma2", dict(score="sum", sliding_score="max", score_decay=0.9)),
-    ("gpt_oss", dict(score="max", sliding_score="sum", score_decay=0.9, prompt_window=6, prompt_pool=3)),
+    ("gemma3", dict(score="max", sliding_score="sum", decay=0.9)),
+    ("gemma2", dict(score="sum", sliding_score="max", decay=0.9)),
+    ("gpt_oss", dict(score="max", sliding_score="sum", decay=0.9, prompt_window=6, prompt_pool=3)),
 ])
 def test_hybrid_model_through_triton_equals_simulation(triton_backend, name, rule):
     model = build(name, seed=1)
@@ -49,7 +49,7 @@ def test_hybrid_model_through_triton_equals_simulation(triton_backend, name, rul
         return dict(SLIDING, sinks=SINKS, score=rule["sliding_score"])
 
     want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
-                           layer_args=layer_args, decay=rule["score_decay"], pool=rule.get("prompt_pool", 1),
+                           layer_args=layer_args, decay=rule["decay"], pool=rule.get("prompt_pool", 1),
                            prompt_window=rule.get("prompt_window"))
     opt = h2o_compile.optimize(model.to(triton_backend), budget=BUDGET, sink_tokens=SINKS, compile=False,
                                compress_sliding=True, global_share=1.6, **rule)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from h2o_compile import zoo
-from h2o_compile.quality.task_eval import TaskConfig, TaskRun, parse_rule_option, run_tasks
+from h2o_compile.presets import parse_options
+from h2o_compile.quality.task_eval import TaskConfig, TaskRun, run_tasks
 from h2o_compile.quality.task_report import write_task_report
 from h2o_compile.quality.tasks import TASKS, make_samples
 
@@ -74,18 +75,18 @@ def test_bad_task_arguments_are_named(tiny, filler):
 
 
 @pytest.mark.parametrize("text,want", [
-    ("sum", {}), ("mean", {"score": "mean"}), ("tova", {"score_decay": 0.0}),
+    ("sum", {"score": "sum"}), ("mean", {"score": "mean"}), ("tova", {"decay": 0.0}),
     ("snapkv", {"prompt_window": 64, "prompt_pool": 5}),
     ("mean+window=32+pool=3", {"score": "mean", "prompt_window": 32, "prompt_pool": 3}),
-    ("decay=0.99", {"score_decay": 0.99}),
+    ("decay=0.99", {"decay": 0.99}),
     ("window=64+pool=9+recent=0.1", {"prompt_window": 64, "prompt_pool": 9, "recent_ratio": 0.1}),
-    ("global=2+decay=0.99", {"global_share": 2.0, "score_decay": 0.99}),
-    ("max+decay=0.99+window=64+pool=21", {"score": "max", "score_decay": 0.99, "prompt_window": 64,
+    ("global=2+decay=0.99", {"global_share": 2.0, "decay": 0.99}),
+    ("max+decay=0.99+window=64+pool=21", {"score": "max", "decay": 0.99, "prompt_window": 64,
                                           "prompt_pool": 21}),
     ("global=2+max+sliding=sum", {"global_share": 2.0, "score": "max", "sliding_score": "sum"}),
 ])
 def test_rule_options(text, want):
-    assert parse_rule_option(text) == want
+    assert parse_options(text) == want
 
 
 def test_a_task_configuration_takes_its_recent_ratio_once():
@@ -99,15 +100,15 @@ def test_a_task_configuration_takes_its_recent_ratio_once():
 
 def test_bad_rule_option_is_named():
     with pytest.raises(ValueError, match="cannot read 'windw=3'"):
-        parse_rule_option("mean+windw=3")
+        parse_options("mean+windw=3")
 
 
 @pytest.mark.parametrize("text,part,field", [
-    ("mean+max", "max", "score"), ("tova+decay=0.9", "decay=0.9", "score_decay"),
+    ("mean+max", "max", "score"), ("tova+decay=0.9", "decay=0.9", "decay"),
     ("window=8+snapkv", "snapkv", "prompt_window")])
 def test_an_option_given_twice_is_named(text, part, field):
     with pytest.raises(ValueError, match=f"'{part}' sets {field}"):
-        parse_rule_option(text)
+        parse_options(text)
 
 
 def test_runner_and_report_on_the_tiny_model(tiny, filler, tmp_path):

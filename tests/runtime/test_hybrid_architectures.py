@@ -113,7 +113,7 @@ def test_a_score_per_kind_of_layer_equals_simulation(name, score, sliding_score)
     model = build(name, seed=1)
     decay = 1.0 if "mean" in (score, sliding_score) else 0.9
     opt = h2o_compile.optimize(model, budget=10, sink_tokens=1, compile=False, compress_sliding=True,
-                               global_share=1.6, score=score, sliding_score=sliding_score, score_decay=decay)
+                               global_share=1.6, score=score, sliding_score=sliding_score, decay=decay)
     ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
     blocks = [20] + [1] * (LENGTH - 20)
 

@@ -16,15 +16,15 @@ from .hf_simulation import simulate_logits
 # (H2OConfig score options, the same for the simulation)
 RULES = [
     (dict(score="mean"), dict(score="mean")),
-    (dict(score_decay=0.5), dict(decay=0.5)),
-    (dict(score_decay=0.0), dict(decay=0.0)),
+    (dict(decay=0.5), dict(decay=0.5)),
+    (dict(decay=0.0), dict(decay=0.0)),
     (dict(prompt_window=4), dict(prompt_window=4)),
     (dict(prompt_window=5, prompt_pool=3), dict(prompt_window=5, pool=3)),
     # the prompt rules with a decayed score (the README's setting for retrieval and running text alike)
-    (dict(score_decay=0.9, prompt_window=5, prompt_pool=3), dict(decay=0.9, prompt_window=5, pool=3)),
+    (dict(decay=0.9, prompt_window=5, prompt_pool=3), dict(decay=0.9, prompt_window=5, pool=3)),
     # the decayed peak: each key's largest (decayed) attention from one query
     (dict(score="max"), dict(score="max")),
-    (dict(score="max", score_decay=0.9, prompt_window=5, prompt_pool=3),
+    (dict(score="max", decay=0.9, prompt_window=5, prompt_pool=3),
      dict(score="max", decay=0.9, prompt_window=5, pool=3)),
 ]
 
@@ -59,7 +59,7 @@ def test_a_prompt_window_covering_the_prompt_is_the_paper(llama):
 def test_prompt_windows_are_a_run_time_input_of_one_compiled_step(llama, score):
     """Prompts of new lengths and left padding under a prompt window and a decay (of the sum and of the peak):
     one compiled decode step, equal to eager."""
-    rule = dict(budget=0.3, prompt_window=3, score_decay=0.9, score=score)
+    rule = dict(budget=0.3, prompt_window=3, decay=0.9, score=score)
     compiled = h2o_compile.optimize(llama, compile=True, **rule)
     eager = h2o_compile.optimize(llama, compile=False, **rule)
     gen = torch.Generator().manual_seed(5)
@@ -74,14 +74,14 @@ def test_prompt_windows_are_a_run_time_input_of_one_compiled_step(llama, score):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(score="peak"), "score='peak'"), (dict(score="mean", score_decay=0.5), "score_decay=0.5 must be 1"),
+    (dict(score="peak"), "score='peak'"), (dict(score="mean", decay=0.5), "decay=0.5 must be 1"),
     (dict(prompt_pool=2), "prompt_pool=2"), (dict(prompt_window=0), "prompt_window=0"),
     (dict(prompt_pool=3, prefill=8), "needs prefill='full'"), (dict(policy="local", score="mean"), "policy='local'"),
-    (dict(score_decay=-0.1), "score_decay=-0.1"),
+    (dict(decay=-0.1), "decay=-0.1"),
     (dict(sliding_score="sum"), "compress_sliding=True puts under the policy"),
     (dict(sliding_score="peak", compress_sliding=True), "sliding_score='peak'; allowed: None"),
-    (dict(score="max", sliding_score="mean", score_decay=0.5, compress_sliding=True),
-     "sliding_score='mean': .*score_decay=0.5 must be 1"),
+    (dict(score="max", sliding_score="mean", decay=0.5, compress_sliding=True),
+     "sliding_score='mean': .*decay=0.5 must be 1"),
     (dict(policy="sink", sliding_score="max", compress_sliding=True), "policy='sink' reads no scores"),
     # the Llama has no sliding-window layer: the option would do nothing
     (dict(sliding_score="sum", compress_sliding=True), "this model has no sliding-window layer"),

@@ -1,0 +1,114 @@
+"""Named presets and the one string syntax of a configuration, shared by Python, the CLI and result files.
+
+A rule string is parts joined by ``+``; each part is
+
+- a preset name (:data:`PRESETS`): ``paper``, ``recommended``, ``tova``, ``snapkv``, ``sink``, ``local``, ...;
+- a registered score name (kernels/rules.py): ``mean``, ``max``, ``knorm`` (= ``score=NAME``);
+- ``name=value`` for any H2OConfig or ScoreRule field: ``budget=0.1``, ``recent_ratio=0.1``, ``decay=0.99``,
+  ``prompt_window=64``, ``prompt_pool=21``, ``sliding_score=sum``, ``kv_dtype=int8``, ... (``none`` for None).
+  Short names kept from earlier result files: ``window``, ``pool``, ``recent``, ``global``, ``sliding``, ``sinks``.
+
+A field may be set once per string (``"tova+decay=0.9"`` is an error: tova already sets decay);
+``H2OConfig.replace`` changes a preset's fields from Python.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .config import H2OConfig, ScoreRule
+from .kernels.rules import SCORES
+
+# name -> (options, what it is for). Options are flat H2OConfig / ScoreRule fields (H2OConfig.from_options).
+_PRESETS: dict[str, tuple[dict[str, Any], str]] = {
+    "paper": ({}, "H2O as published (Algorithm 1): accumulated attention, half the budget for recent tokens"),
+    "recommended": (dict(recent_ratio=0.1, score="max", decay=0.99, prompt_window=64, prompt_pool=21),
+                    "the best general setting measured: the decayed peak attention with SnapKV's prompt window"),
+    "tova": (dict(decay=0.0), "TOVA: only the newest query's attention decides"),
+    "snapkv": (dict(prompt_window=64, prompt_pool=5), "SnapKV: the prompt's last 64 queries score, pooled"),
+    "knorm": (dict(score="knorm"), "KnormPress: keys with the smallest L2 norm stay; no attention read"),
+    "sink": (dict(policy="sink"), "StreamingLLM: 4 attention sinks, then the most recent tokens"),
+    "local": (dict(policy="local"), "the most recent tokens only"),
+    "full": (dict(policy="full"), "no eviction: the full-cache baseline"),
+}
+PRESET_OPTIONS: dict[str, dict[str, Any]] = {name: options for name, (options, _) in _PRESETS.items()}
+PRESET_NOTES: dict[str, str] = {name: note for name, (_, note) in _PRESETS.items()}
+PRESETS: dict[str, H2OConfig] = {name: H2OConfig.from_options(options) for name, options in PRESET_OPTIONS.items()}
+
+_ALIASES = {"window": "prompt_window", "pool": "prompt_pool", "recent": "recent_ratio", "global": "global_share",
+            "sliding": "sliding_score", "sinks": "sink_tokens"}
+_FIELD_TYPES = {**{f.name: f.type for f in dataclasses.fields(H2OConfig)},
+                **{f.name: f.type for f in dataclasses.fields(ScoreRule)}}
+_FIELD_TYPES.pop("rule")
+
+
+def _read(name: str, text: str) -> Any:
+    """``text`` as the value of field ``name`` (its annotation says which kind)."""
+    kind = str(_FIELD_TYPES[name])
+    if text.lower() == "none" and "Optional" in kind:
+        return None
+    if name == "budget":
+        return int(text) if text.isdigit() else float(text)
+    if name == "prefill":
+        return text if text == "full" else int(text)
+    if kind == "bool":
+        if text.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(text)
+        return text.lower() in ("true", "1")
+    if "float" in kind:
+        return float(text)
+    if "int" in kind:
+        return int(text)
+    return text
+
+
+def parse_options(text: str) -> dict[str, Any]:
+    """The rule string -> flat H2OConfig / ScoreRule options (only what it sets). A ValueError names the part it
+    cannot read or the field set twice; H2OConfig checks the values."""
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"rule string {text!r} is empty; use a preset ({', '.join(PRESET_OPTIONS)}) or options "
+                         "such as max+decay=0.99")
+    options: dict[str, Any] = {}
+    for part in text.split("+"):
+        name, _, value = part.partition("=")
+        name = _ALIASES.get(name, name)
+        try:
+            if part in PRESET_OPTIONS:
+                given = dict(PRESET_OPTIONS[part])
+            elif part in SCORES:
+                given = {"score": part}
+            elif value and name in _FIELD_TYPES:
+                given = {name: _read(name, value)}
+            else:
+                raise ValueError(part)
+        except ValueError:
+            raise ValueError(f"rule string {text!r}: cannot read {part!r}; use a preset ({', '.join(PRESET_OPTIONS)}),"
+                             f" a score ({', '.join(SCORES)}) or name=value with a field of H2OConfig, joined by "
+                             "'+'") from None
+        twice = sorted(set(given) & set(options))
+        if twice:  # e.g. "mean+max" or "tova+decay=0.9": the later part would silently win
+            raise ValueError(f"rule string {text!r}: {part!r} sets {', '.join(twice)} a second time")
+        options.update(given)
+    return options
+
+
+def format_options(config: H2OConfig) -> str:
+    """The shortest plain rule string of ``config``: its fields that differ from the defaults, "paper" if none."""
+    default = H2OConfig(policy=config.policy)  # the policy's own default sinks are not a change
+    parts = [f"policy={config.policy}"] * (config.policy != "h2o")
+    for f in dataclasses.fields(H2OConfig):
+        if f.name not in ("rule", "policy") and getattr(config, f.name) != getattr(default, f.name):
+            parts.append(f"{f.name}={getattr(config, f.name)}")
+    for f in dataclasses.fields(ScoreRule):
+        if getattr(config.rule, f.name) != getattr(default.rule, f.name):
+            parts.append(f"{f.name}={getattr(config.rule, f.name)}")
+    return "+".join(parts) or "paper"
+
+
+def preset_table() -> str:
+    """The presets as Markdown: name, what it is for, its rule string, the backends that serve it."""
+    rows = ["| preset | for | rule string | served by |", "|---|---|---|---|"]
+    for name, config in PRESETS.items():
+        rows.append(f"| `{name}` | {PRESET_NOTES[name]} | `{config.to_string()}` | {', '.join(config.served_by)} |")
+    return "\n".join(rows)
