@@ -67,3 +67,18 @@ def load_benchmark(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def served_rules(backend: str) -> list[str]:
+    """Rule specs an op-level test of ``backend`` runs, generated from the capability table
+    (h2o_compile/backends.py): every score it serves, alone and decayed where the score takes a decay, plus a
+    decay of 0 (TOVA) on the paper's score. A score added to the table is tested without editing the test."""
+    from h2o_compile.backends import CAPABILITIES
+    from h2o_compile.kernels.rules import SCORES, EvictionRule
+
+    rules = [EvictionRule(decay=0.0)]
+    for name, score in SCORES.items():
+        if CAPABILITIES[backend].serves_score(name):
+            rules.append(EvictionRule(score=name))
+            rules += [EvictionRule(score=name, decay=0.8)] if score.decays else []
+    return [rule.spec for rule in rules]

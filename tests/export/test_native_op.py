@@ -19,6 +19,7 @@ from onnx import TensorProto, helper
 
 from h2o_compile.export.native import API_VERSION, NativeBuildError, api_version_of, library_path
 from h2o_compile.export.onnx_function import DOMAIN, FUNCTION_NAME, H2OAttention
+from ..helpers import served_rules
 from tests.export.test_onnx_function import BLOCKS, NAMES, OUTS, one_node_model, run_sequence, sink_logits
 
 
@@ -104,8 +105,7 @@ def test_policies(lib, policy, sinks):
     assert both(lib, policy, blocks=BLOCKS, sinks=sinks)[0] > 0
 
 
-@pytest.mark.parametrize("rule", ["h2o+score=mean", "h2o+decay=0.5", "h2o+decay=0.0", "h2o+decay=0.9", "h2o+score=max",
-                                  "h2o+score=max+decay=0.8"])
+@pytest.mark.parametrize("rule", served_rules("native ORT CPU"))
 @pytest.mark.parametrize("window", [0, 4])
 def test_score_rules(lib, rule, window):
     assert both(lib, rule, blocks=BLOCKS, sinks=1, window=window)[0] > 0

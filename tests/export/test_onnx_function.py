@@ -18,7 +18,8 @@ from onnx import TensorProto, helper
 
 from h2o_compile.export.onnx_function import DOMAIN, FUNCTION_NAME, H2OAttention
 from h2o_compile.kernels import reference
-from h2o_compile.kernels.rules import SCORES
+from h2o_compile.export.onnx import ONNX_SCORE_CODES
+from ..helpers import served_rules
 
 NAMES = ["q", "k", "v", "positions", "valid", "key_cache", "value_cache", "score_cache", "pos_cache",
          "sink_logits", "rope_cos", "rope_sin"]
@@ -38,7 +39,7 @@ def one_node_model(*, scale, recent, sinks, policy, seed, window=0, softcap=0.0,
     rule = reference.parse_rule(policy)
     node = helper.make_node(FUNCTION_NAME, NAMES, OUTS, domain=DOMAIN, scale=scale, recent=recent,
                             sinks=sinks, policy=reference.POLICY_CODES[rule.policy], seed=seed, window=window,
-                            softcap=softcap, rolling=rolling, score=SCORES.index(rule.score), decay=rule.decay,
+                            softcap=softcap, rolling=rolling, score=ONNX_SCORE_CODES[rule.score], decay=rule.decay,
                             max_distance=max_distance)
 
     def infos(names, types, ranks):
@@ -123,8 +124,7 @@ def test_function_equals_reference(policy, sinks):
     assert evictions > 0  # the comparison covered eviction, not only appends
 
 
-@pytest.mark.parametrize("rule", ["h2o+score=mean", "h2o+decay=0.5", "h2o+decay=0.0", "h2o+decay=0.9", "h2o+score=max",
-                                  "h2o+score=max+decay=0.8"])
+@pytest.mark.parametrize("rule", served_rules("ONNX function"))
 @pytest.mark.parametrize("window", [0, 4])
 def test_score_rules_equal_reference(rule, window):
     evictions, _ = run_sequence(rule, blocks=BLOCKS, sinks=1, window=window)

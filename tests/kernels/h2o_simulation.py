@@ -79,7 +79,8 @@ class SimulatedCache:
             self.keys[p], self.values[p] = k[j], v[j]
             quantize = int8_roundtrip if self.quantized else (lambda x: x)
             self.stored[p] = (quantize(k[j]), quantize(v[j]))
-            self.score[p] = 0.0
+            # knorm reads no attention: a key scores minus its L2 norm (as produced, before any quantization).
+            self.score[p] = -float(k[j].norm()) if self.score_rule == "knorm" else 0.0
         new = set(positions)
         outs = torch.zeros(q.shape[0], len(positions), v.shape[-1], dtype=torch.float64)
         for i, t in enumerate(positions):
@@ -105,7 +106,7 @@ class SimulatedCache:
                         self.score[p] *= self.decay
                 query_mass = [m + pr for m, pr in zip(query_mass, probs)]
             # Only h2o reads scores; the other policies keep none (every backend leaves them at 0).
-            if self.policy == "h2o" and (counted is None or t in counted):
+            if self.policy == "h2o" and self.score_rule != "knorm" and (counted is None or t in counted):
                 for p, m in zip(visible, query_mass):
                     self.score[p] = max(self.score[p], m) if self.score_rule == "max" else self.score[p] + m
         if prompt and self.pool > 1:

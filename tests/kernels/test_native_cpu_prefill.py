@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from h2o_compile import backends
 from h2o_compile.kernels import native_cpu, reference
 from h2o_compile.native_build import NativeBuildError
 
@@ -149,6 +150,7 @@ def test_the_library_is_built_once_per_torch_and_source():
 
 @needs_compiler
 @pytest.mark.parametrize("policy,window,taken", [("h2o", 0, True), ("h2o+score=max", 0, True), ("sink", 0, False),
+                                                  ("h2o+score=knorm", 0, False),
                                                   ("local", 0, False), ("h2o", 8, True), ("sink", 8, True)])
 def test_the_op_prefill_takes_the_one_pass_where_a_rule_reads_the_mass(monkeypatch, policy, window, taken):
     """A first prompt through the whole H2O op: the paper's rule and the peak (scores read) through the one-pass
@@ -161,6 +163,6 @@ def test_the_op_prefill_takes_the_one_pass_where_a_rule_reads_the_mass(monkeypat
     q, k, v = torch.randn(1, 4, 40, 16, generator=gen), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     positions, valid = torch.arange(40)[None], torch.ones(1, 40, dtype=torch.bool)
     state = reference.empty_state(1, 2, 8, 16)
-    reference.h2o_attention(q, k, v, positions, valid, state, scale=0.25, recent=4, sinks=0, policy=policy,
-                            window=window)
+    backends.h2o_attention(q, k, v, positions, valid, state, scale=0.25, recent=4, sinks=0, policy=policy,
+                           window=window)
     assert bool(calls) is taken

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_compile import ops
+from h2o_compile import H2OConfig, ScoreRule, backends, ops
+from h2o_compile.backends import CAPABILITIES, check_served
 from h2o_compile.kernels import reference
 from h2o_compile.kernels.rules import EvictionRule, parse_rule
 
@@ -33,6 +34,7 @@ RULES = [
     (EvictionRule(score="max"), None),
     (EvictionRule(score="max", decay=0.8), None),
     (EvictionRule(score="max", decay=0.9, pool=3), 2),
+    (EvictionRule(score="knorm"), None),
 ]
 RULE_IDS = [f"{r.spec}-w{w}" for r, w in RULES]
 PROMPT = 11            # tokens of row 0; row 1 has 3 padding tokens first
@@ -113,6 +115,11 @@ def _triton(q, k, v, positions, valid, state, query_from, **kw):
     return triton_ops.h2o_attention_(q, k, v, positions, valid, state, query_from=query_from, **kw)
 
 
+def _native_cpu(q, k, v, positions, valid, state, query_from, **kw):
+    """The op's own path on CPU (h2o_compile/backends.py): torch's fused attention and the native ops."""
+    return backends.h2o_attention_(q, k, v, positions, valid, state, query_from=query_from, **kw)
+
+
 def _fused_decode(q, k, v, positions, valid, state, query_from, **kw):
     """Decode tokens through the fused CPU path (ops.decode_fusable_), blocks through the op."""
     fn = ops.decode_fusable_ if q.shape[2] == 1 else torch.ops.h2o.attention_
@@ -121,15 +128,22 @@ def _fused_decode(q, k, v, positions, valid, state, query_from, **kw):
 
 
 @pytest.mark.parametrize("rule,window", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("backend", [_reference, _fused_decode], ids=["reference", "fused_decode"])
+@pytest.mark.parametrize("backend", ["reference", "compiled CPU step", "native CPU ops"])
 def test_torch_backends_match_the_simulation(backend, rule, window):
-    _drive(backend, rule, window)
+    """Generated from the capability table: a backend serves the rule and equals the simulation, or refuses it."""
+    drive = {"reference": _reference, "compiled CPU step": _fused_decode, "native CPU ops": _native_cpu}[backend]
+    if CAPABILITIES[backend].serves_score(rule.score):
+        _drive(drive, rule, window)
+    else:
+        with pytest.raises(ValueError, match=f"score='{rule.score}' is not served by the {backend}"):
+            check_served(H2OConfig(rule=ScoreRule(score=rule.score)), backend)
 
 
 @pytest.mark.parametrize("rule,window", RULES, ids=RULE_IDS)
 def test_triton_matches_the_simulation(triton_device, rule, window):
     if triton_device.type != "cpu":
         pytest.skip("the simulation runs on CPU tensors; on a GPU test_triton_decode compares with the reference")
+    assert CAPABILITIES["Triton"].serves_score(rule.score)  # else this test would check the refusal
     _drive(_triton, rule, window)
 
 
