@@ -75,9 +75,9 @@ def _patches(mode: str, device: torch.device, dynamic: bool) -> list:
         patches.append(torch._inductor.config.patch(freezing=True))
     if device.type == "cpu" and native_cpu.available():
         # Inductor asks which vector instruction sets the C++ compiler can build for by compiling and loading a
-        # probe per set, on the first compile of every process (7.7 s with an empty Inductor cache, 1.3 s with a
-        # filled one: a cold compile's largest fixed cost on this CPU). The native ops were built with
-        # -march=native for this CPU and loaded, which answers that question: trust the CPU's flags.
+        # probe per set, on the first compile of every process (a cold compile's largest fixed cost on CPU).
+        # The native ops were built with -march=native for this CPU and loaded, which answers that question:
+        # trust the CPU's flags.
         patches.append(torch._inductor.config.patch({"cpp.vec_isa_ok": True}))
     return patches
 

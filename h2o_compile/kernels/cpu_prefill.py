@@ -98,7 +98,7 @@ def attend_sdpa(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_
     unpadded = new_from is not None and bool(query_valid.all())  # (a host check, fine in an eager prefill)
     # The one-pass op where a rule reads the mass, and on a window layer whatever the rule: it computes only the
     # window's columns per query tile, which beats the masked fused kernel in chunks even without the mass
-    # (Gemma 3's W = 512 layers at 1024 tokens: 16 vs 35 ms). Zero weights then skip the column sums.
+    # (benchmarks/prefill.py). Zero weights then skip the column sums.
     if unpadded and (need_mass or window > 0) and native_cpu.available():
         weight = query_weight if need_mass else torch.zeros(b, t)
         # The cache as stored (the op computes in fp32): no rounding of an fp32 cache to the queries' dtype.

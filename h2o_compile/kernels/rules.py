@@ -4,24 +4,24 @@ Every torch path calls these functions: the reference op (kernels/reference.py),
 (ops.decode_fusable_, fused by Inductor) and the bookkeeping around the Triton kernels (kernels/triton_ops.py),
 whose kernels only return the attention output and the per-key mass. The ONNX function
 (export/onnx_function.py) is the copy in ONNX ops, and export/native/h2o_rule.h the one in C++ that the native
-ONNX Runtime op's CPU and CUDA kernels share. DESIGN.md section 2 ("Score rules") states them.
+ONNX Runtime op's CPU and CUDA kernels share; h2o_compile/backends.py says which backend serves which score.
 
 A rule travels through the op boundary as a string (custom ops take primitive arguments only),
-:attr:`EvictionRule.spec`: a policy name (``"h2o"``, the paper's rule, and every rule before score options
-existed) optionally followed by options, e.g. ``"h2o;score=mean"`` or ``"h2o;decay=0.9;pool=5"``.
+:attr:`EvictionRule.spec`, in the config's rule syntax: a policy name (``"h2o"`` is the paper's rule) optionally
+followed by options, e.g. ``"h2o+score=mean"`` or ``"h2o+decay=0.9+prompt_pool=5"``.
 
-Score rules of policy ``h2o`` (the eviction key):
+Scores of policy ``h2o`` are registered once in :data:`SCORES` (:func:`register_score`): a :class:`Score` says
+how a query's mass enters A (a sum, or a maximum: ``peak``), how A ranks an entry (``priority``), whether it
+takes a decay, or, for a query-free score, what a new entry is scored from its key alone (``key_score``).
+Registered: ``sum`` (the paper's accumulated attention), ``mean`` (A / (newest - p + 1): the mass per query
+that could see p), ``max`` (A = max(A, M_t), M_t(p) the query's probability of p summed over the KV group's
+query heads: the key's peak attention), ``knorm`` (minus the key's L2 norm: query-free). Options shared by the
+scores of attention:
 
-    score="sum"   priority A[p], the paper's accumulated attention.
-    score="mean"  priority A[p] / (newest - p + 1): the mass per query that could see p (its lifetime).
-    score="max"   priority A[p], where a query updates A = max(A, M_t) instead of A + M_t, M_t(p) the query's
-                  probability of p summed over the KV group's query heads: the key's peak attention. Why: the
-                  keys Gemma 3's global layers read again hundreds of tokens later had one sharp look before,
-                  which a (decayed) sum forgets (docs/results/eval_gemma3/probes).
     decay=g       a block of T queries t0..t1 updates A = g^T A + sum_t g^(t1 - t) mass_t (0^0 = 1), so one
                   block or T single tokens give the same A; g = 1 is the paper, g = 0 keeps the newest query
                   only (TOVA). With score="max": A = max(g^T A, max_t g^(t1 - t) M_t), the decayed peak.
-    pool=k        (odd) once the prompt is in, the prompt keys' A becomes its mean over the k neighbouring
+    prompt_pool=k (odd) once the prompt is in, the prompt keys' A becomes its mean over the k neighbouring
                   prompt positions (fewer at the ends), SnapKV's pooling.
 
 Which prompt queries add mass (SnapKV's observation window) is a run-time input of the op, ``query_from``

@@ -4,8 +4,8 @@ Why: compiled whole, the one-token step is one graph in which Dynamo traces and 
 C++ for every layer, although a model's layers repeat one or two kinds (the KV-bound Llama: 8 identical layers;
 Gemma 3: sliding and global). Split at the layers, each distinct layer is compiled once and its code runs for
 every layer of its kind, with that layer's weights, cache state and recent window as inputs (regional
-compilation). Measured (docs/results/compile_regions_cpu/compile_regions.md): the cold first step 2.2-3.5x
-shorter, every step after it 5-13% slower (a compiled call per layer); hence opt-in (``regional_compile``).
+compilation). The cold first step is shorter, every step after it slower by a compiled call per layer
+(docs/results/compile_regions_cpu/compile_regions.md); hence opt-in (``regional_compile``).
 
 Before: ``forward(input_ids, position_ids, valid, *state, *recent, query_from) -> logits``, one flat graph.
 After: the same signature and result; the graph calls one submodule per region: ``region0`` (embeddings and

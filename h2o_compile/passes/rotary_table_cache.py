@@ -2,12 +2,12 @@
 
 passes/rolling_positions.py makes the graph evaluate the model's rotary embedding at positions 0..S-1 on every
 call. With capped distances S = max(D + 1, T): 16,385 rows per rotary base on Gemma 3 (D = 16,384), cosines
-and sines an eager decode step used to pay at every token (docs/results/stream/positions_cost: 80.9 ms a step
-against 56.1 ms by rank). The tables depend on S and on the rotary embedding's own tensors (the inverse
-frequencies) only, so this pass moves their subgraph into a :class:`RotaryTables` module that keeps its last
-result and computes again only when S or one of those inputs changes (another tensor, a write into it, another
-device or dtype, grad or inference mode). Under torch.compile or export the module computes every time, as the
-graph did: a compiled step fuses the tables into its own code (positions_cost_compiled shows no cost there).
+and sines an eager decode step used to pay at every token (docs/results/stream/positions_cost). The tables
+depend on S and on the rotary embedding's own tensors (the inverse frequencies) only, so this pass moves their
+subgraph into a :class:`RotaryTables` module that keeps its last result and computes again only when S or one of
+those inputs changes (another tensor, a write into it, another device or dtype, grad or inference mode). Under
+torch.compile or export the module computes every time, as the graph did: a compiled step fuses the tables into
+its own code (positions_cost_compiled shows no cost there).
 """
 
 from __future__ import annotations

@@ -4,13 +4,12 @@ A one-token decode step multiplies a few rows (the batch) by every weight matrix
 and W [out, in]. Called that way (``aten.linear`` -> ``mm(x, W.t())``), the CPU GEMM of torch 2.13 reads the
 weights at a fraction of memory speed (our reading: it packs the large transposed operand on each call); the
 same product as ``W @ x^T`` (the weight as the left operand) does not. ``benchmarks/linear_layout.py``
-(docs/results/linear_layout_cpu.md): 60 weights of 1024 x 512 at two rows, 7.0 GB/s as ``mm(x, W.t())`` vs
-32.4 GB/s as ``W @ x.t()`` (a plain sum: 28.0 GB/s); at one row both forms read 10 GB/s, at eight 7.1 vs 13.2.
+measures both forms over row counts (docs/results/linear_layout_cpu.md).
 
-Only for the one-token step on CPU (``runtime.decode_step_graph``, ``H2OModel._eager_decode_step``): the
+Only for the one-token step on CPU (``backends.decode_step_graph``, ``H2OModel._eager_decode_step``): the
 prompt's products have many rows, where the usual form is as fast, and GPU GEMMs have no such case. Where the
 native CPU ops are built the step calls ``kernels.native_cpu.rows_linear`` instead, which streams each weight
-once for the row counts where even this form does not (one row: a matrix-vector product at about 10 GB/s).
+once for the row counts where even this form does not (one row: a matrix-vector product).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 200
     eval_windows: int = 16  # periodic held-out eval uses this many evenly spaced windows
-    compile: bool = False  # torch.compile the training step: ~1.6x tokens/s on CPU, ~30 s to compile
+    compile: bool = False  # torch.compile the training step: faster steps after a compile of tens of seconds
 
     def __post_init__(self):
         for name in ("seq_len", "batch_size", "log_every", "eval_every", "eval_windows"):
