@@ -9,7 +9,7 @@ would hold at t (the keys are computed at their true positions and never change 
 layer replays the process exactly; the sliding layers keep transformers' own window mask).
 
 Eviction processes (each full-attention layer holds at most C keys; query t sees the kept keys and itself,
-then the cache is cut back to C, as DESIGN section 2 orders a decode step):
+then the cache is cut back to C, as docs/design.md section 2 orders a decode step):
 
     full        no eviction (must reproduce the library's full-cache perplexity)
     sink        4 sink tokens, then oldest first (must reproduce the library's ``sink`` policy)

@@ -1,6 +1,6 @@
 """Quantized kept entries (``kv_dtype="int8"``): symmetric absmax int8, one fp32 scale per vector.
 
-DESIGN.md section 2, "Quantized entries": when an entry is written to the cache, each key vector and each value
+docs/design.md section 2, "Quantized entries": when an entry is written to the cache, each key vector and each value
 vector (one position, one KV head) becomes q = clamp(round(x / s), -127, 127) with s = max|x| / 127 (s = 1 for a
 zero vector), stored as int8 plus its scale; attention reads s * q. A block's own new tokens are used unquantized
 by the block's queries and stored quantized. Scores, positions and eviction do not change.

@@ -1,7 +1,7 @@
 """The executable specification of H2O attention, in plain PyTorch.
 
 Every backend (the Triton kernels, the ONNX function, the compiled CPU graph) must compute what this file
-computes; ../DESIGN.md section 2 states it in words. The state of one layer is static-shape:
+computes; ../docs/design.md section 2 states it in words. The state of one layer is static-shape:
 
     key_cache   [B, Hkv, C, D]   keys after RoPE (before it with rolling positions), model dtype
     value_cache [B, Hkv, C, Dv]
@@ -20,7 +20,7 @@ Slots are stable: a kept entry never moves, and kept new tokens fill the freed s
 order. The decode fast path (T = 1) therefore writes the new token straight into the evicted slot, which is
 also what the Triton decode kernel does, so every backend produces the same layout.
 
-Per-layer attention kinds (DESIGN.md section 2), constants of a layer, each off by default:
+Per-layer attention kinds (docs/design.md section 2), constants of a layer, each off by default:
 
     window W > 0     sliding window: query t sees key p only if t - p < W; a key with p <= t1 - W is dead
                      (it can never be seen again) and is evicted before any eviction choice.
@@ -78,7 +78,7 @@ def attend(q: Tensor, keys: Tensor, values: Tensor, key_pos: Tensor, query_pos: 
     Queries are processed in chunks, so the [T, S] probabilities never exist at once. With ``new_from`` (the
     index where the block's own keys start, i.e. C), a chunk of queries ending at block index t1 reads only
     the first C + t1 keys: the block's later tokens are in all its queries' future (positions increase along
-    a block, DESIGN.md section 2), so they would receive exactly zero probability.
+    a block, docs/design.md section 2), so they would receive exactly zero probability.
 
     Args:
         q: [B, Hq, T, D]; keys: [B, Hkv, S, D]; values: [B, Hkv, S, Dv]
@@ -190,7 +190,7 @@ def h2o_attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Opt
 
 def block_scores(rule: EvictionRule, score_cache: Tensor, mass: Tensor, valid: Tensor,
                  query_from: Optional[Tensor], new_keys: Tensor) -> Tensor:
-    """The scores of the C cached entries and the T new ones after a block (step 3 of DESIGN.md section 2,
+    """The scores of the C cached entries and the T new ones after a block (step 3 of docs/design.md section 2,
     with the rule's decay and prompt pooling); shared by every path that attends over a whole block.
 
     Args:
@@ -214,7 +214,7 @@ def block_scores(rule: EvictionRule, score_cache: Tensor, mass: Tensor, valid: T
 
 def compress(entries: H2OState, newest: Tensor, cap: int, *, recent: int, sinks: int, policy: str,
              seed: int = 0, window: int = 0) -> H2OState:
-    """Evict down to ``cap`` slots (step 4 of DESIGN.md section 2); shared by every path that attends
+    """Evict down to ``cap`` slots (step 4 of docs/design.md section 2); shared by every path that attends
     over a whole block first (this file's general path, the Triton prefill).
 
     Args:

@@ -1,9 +1,9 @@
 """An independent brute-force H2O simulation: the whole history kept, sets and dicts, float64, plain loops.
 
-Written from DESIGN.md section 2 without looking at kernels/reference.py; the tests compare every backend
+Written from docs/design.md section 2 without looking at kernels/reference.py; the tests compare every backend
 against it. One simulated cache per (batch row, KV head).
 
-Attention kinds (DESIGN.md section 2): ``window`` W (a query at t sees key p only if t - p < W; a key that left
+Attention kinds (docs/design.md section 2): ``window`` W (a query at t sees key p only if t - p < W; a key that left
 the window is dropped before any eviction choice), ``softcap`` (logits = cap * tanh(logits / cap)) and
 ``sink_logits`` (one extra logit per query head of the group in the softmax denominator, receiving no score).
 
@@ -13,14 +13,14 @@ with these numbers (angle = number x inv_freq[i], pairing dims i and i + R/2, di
 ``max_distance`` D > 0 (capped distances) the block's newest token L sits at D' = max(D, n - 1), n the block's
 valid tokens, and every other key or query p at D' - min(L - p, D'): its true distance to L, capped at D'.
 
-Score rules (DESIGN.md section 2, "Score rules"), simulated query by query rather than in closed form: before
+Score rules (docs/design.md section 2, "Score rules"), simulated query by query rather than in closed form: before
 each valid query adds its probabilities, every score is multiplied by ``decay``; a query whose position is not
 in ``counted`` adds nothing (a prompt window); after a ``prompt`` block with ``pool`` k > 1 each of the block's
 keys takes the mean score of the block's keys within k // 2 positions; ``score="mean"`` evicts by
 score / (newest - p + 1); ``score="max"`` replaces a score by the larger of it and the query's probability
 summed over the group's heads, instead of adding that.
 
-Quantized entries (``quantized=True``, DESIGN.md section 2 "Quantized entries"): a key or value is rounded to
+Quantized entries (``quantized=True``, docs/design.md section 2 "Quantized entries"): a key or value is rounded to
 s * round(x / s) with s = max|x| / 127 when it is stored; the block that brings it reads the exact vector, every
 later block the stored one.
 """

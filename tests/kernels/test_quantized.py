@@ -1,4 +1,4 @@
-"""Quantized kept entries (kv_dtype="int8", kernels/quantized.py; DESIGN.md section 2 "Quantized entries") in
+"""Quantized kept entries (kv_dtype="int8", kernels/quantized.py; docs/design.md section 2 "Quantized entries") in
 every torch backend against the float64 simulation, which rounds a vector when it is stored and reads the block's
 own tokens exactly: the reference op, the fused CPU decode, the Triton kernels under the interpreter.
 """

@@ -1,4 +1,4 @@
-"""Score rules (kernels/rules.py; DESIGN.md section 2 "Score rules") in every torch backend against the float64
+"""Score rules (kernels/rules.py; docs/design.md section 2 "Score rules") in every torch backend against the float64
 simulation, which applies them query by query: the reference op, the Triton kernels under the interpreter
 (their bookkeeping is the shared torch code) and the fused CPU decode of ops.decode_fusable_.
 

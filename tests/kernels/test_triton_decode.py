@@ -94,7 +94,7 @@ def test_decode_attention_kinds_match_reference(triton_device, window, softcap, 
 @pytest.mark.parametrize("policy", ["h2o", "sink"])
 def test_decode_kinds_match_float64_simulation(triton_device, policy):
     """Prompt (the Triton prefill) then decode steps, all through the kernels, against the brute-force
-    float64 simulation of DESIGN.md section 2 (not the reference): live kept positions, scores, outputs."""
+    float64 simulation of docs/design.md section 2 (not the reference): live kept positions, scores, outputs."""
     b, hq, hkv, d, cap, window, softcap, sinks = 2, 6, 2, 16, 9, 12, 2.5, 1
     group = hq // hkv
     scale = d ** -0.5

@@ -43,7 +43,7 @@ def test_hybrid_model_through_triton_equals_simulation(triton_backend, name, rul
     ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
     blocks = [20] + [1] * (LENGTH - 20)
 
-    def layer_args(layer, window):  # DESIGN.md section 2 per layer, written out independently of H2OConfig
+    def layer_args(layer, window):  # docs/design.md section 2 per layer, written out independently of H2OConfig
         if window is None:
             return dict(FULL, sinks=SINKS, score=rule["score"])
         return dict(SLIDING, sinks=SINKS, score=rule["sliding_score"])

@@ -80,7 +80,7 @@ def simulate_logits(model, input_ids, blocks, *, capacity, recent, sinks, policy
                     max_distance=0):
     """Feed ``input_ids`` [B, S] in blocks of the given sizes; returns logits [B, S, V] under simulated H2O.
 
-    ``score``, ``decay``, ``pool``, ``prompt_window``: the score rule (DESIGN.md section 2); the first block is
+    ``score``, ``decay``, ``pool``, ``prompt_window``: the score rule (docs/design.md section 2); the first block is
     the prompt. ``quantized``: kept keys and values are stored int8-rounded (kv_dtype="int8").
 
     ``layer_args(layer, window) -> dict(capacity=, recent=, sinks=)`` gives a layer its own cache size (for

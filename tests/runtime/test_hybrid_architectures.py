@@ -60,7 +60,7 @@ def test_evicting_budget_equals_simulation(name, compress):
     ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
     blocks = [20] + [1] * (LENGTH - 20)
 
-    def layer_args(layer, window):  # DESIGN.md section 2, written out independently of H2OConfig
+    def layer_args(layer, window):  # docs/design.md section 2, written out independently of H2OConfig
         if window is None:
             return dict(capacity=budget, recent=round(budget * 0.5), sinks=sinks)
         if not compress:

@@ -40,7 +40,7 @@ def test_int8_hybrid_with_rolling_positions_and_chunked_prefill_equals_the_simul
     ids = torch.randint(1, VOCAB, (2, length), generator=torch.Generator().manual_seed(3))
     blocks = [8, 8, 4] + [1] * (length - 20)  # the 20-token prompt arrives in chunks of 8
 
-    def layer_args(layer, window):  # DESIGN.md section 2, written out independently of H2OConfig
+    def layer_args(layer, window):  # docs/design.md section 2, written out independently of H2OConfig
         slots = budget if window is None else min(budget, window)
         return dict(capacity=slots, recent=max(1, round(slots * 0.5)), sinks=1)
 
@@ -75,7 +75,7 @@ def test_compiled_int8_decode_on_windows_softcap_and_sinks_equals_the_simulation
     opt = h2o_compile.optimize(model, budget=budget, sink_tokens=1, kv_dtype="int8", compress_sliding=True,
                                compile=True)
 
-    def layer_args(layer, window):  # DESIGN.md section 2, written out independently of H2OConfig
+    def layer_args(layer, window):  # docs/design.md section 2, written out independently of H2OConfig
         slots = budget if window is None else min(budget, window)
         return dict(capacity=slots, recent=max(1, round(slots * 0.5)), sinks=1)
 
