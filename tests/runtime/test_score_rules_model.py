@@ -26,6 +26,8 @@ RULES = [
     (dict(score="max"), dict(score="max")),
     (dict(score="max", decay=0.9, prompt_window=5, prompt_pool=3),
      dict(score="max", decay=0.9, prompt_window=5, pool=3)),
+    # query-free: the keys with the smallest L2 norm stay
+    (dict(score="knorm"), dict(score="knorm")),
 ]
 
 
