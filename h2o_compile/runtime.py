@@ -402,7 +402,7 @@ def check_layer_kinds(name: str, sites, limits: ModelLimits) -> None:
 
 
 def optimize(model: nn.Module, budget: Union[float, int, None] = None, *, config: Union[H2OConfig, str, None] = None,
-             compile: Union[str, bool] = "auto", regional_compile: bool = False, **options) -> H2OModel:
+             compile: Union[str, bool] = "auto", regional_compile: bool = False, tp=False, **options) -> H2OModel:
     """Turn a transformers causal LM into an :class:`H2OModel` whose KV cache keeps ``budget`` of the sequence.
 
     Args:
@@ -425,6 +425,11 @@ def optimize(model: nn.Module, budget: Union[float, int, None] = None, *, config
             compile, each step after it slower by a compiled call per layer
             (docs/results/compile_regions_cpu/compile_regions.md); for processes that compile often and decode
             little. Not with a mode that freezes the weights, nor on CUDA (ValueError).
+        tp: ``True`` (the default process group) or a torch.distributed ProcessGroup: tensor parallelism. Call
+            it on every rank (``torchrun``) with the same model: it shards ``model`` in place (attention heads
+            and MLP, h2o_compile/tensor_parallel.py) before the capture, so each rank's H2O state holds
+            num_key_value_heads / N KV heads, and every rank returns the same tokens (sampling: the same seed
+            on every rank). ValueError for head counts not divisible by N, MQA among them.
     Raises:
         UnsupportedModelError for a model it cannot serve; ValueError / TypeError naming a bad option, or a
         setting the model's backend does not serve (h2o_compile/backends.py).
@@ -434,6 +439,10 @@ def optimize(model: nn.Module, budget: Union[float, int, None] = None, *, config
     device = next(model.parameters()).device if isinstance(model, nn.Module) and any(True for _ in model.parameters()) \
         else torch.device("cpu")
     check_served(config, "Triton" if backend_for(device) == "triton" else "reference")
+    if tp is not False and tp is not None:
+        from .tensor_parallel import shard_model
+
+        shard_model(model, tp, settings=config.to_string())  # each rank captures its own shard below
     graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized,
                                         max_distance=config.max_distance)
     config.layer_shares([spec.window for spec in layers])  # a share the model's layers cannot take fails here
