@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3.11
 
-.PHONY: venv test demo lint clean
+.PHONY: venv test demo lint docs clean
 
 venv: $(VENV)/.installed
 
@@ -25,6 +25,14 @@ test: venv
 
 demo: venv
 	$(VENV)/bin/h2o-compile demo
+
+# The API reference, built from the docstrings with pdoc into $(DOCS_OUT) (gitignored).
+DOCS_OUT ?= build/docs
+API_MODULES := h2o_compile h2o_compile.config h2o_compile.presets h2o_compile.backends h2o_compile.export \
+	h2o_compile.runtime
+docs: venv
+	$(PY) -m pdoc -o $(DOCS_OUT) $(API_MODULES)
+	@echo "API reference: $(DOCS_OUT)/index.html"
 
 lint: venv
 	$(VENV)/bin/ruff check h2o_compile tests benchmarks examples
