@@ -13,7 +13,8 @@ import pytest
 import h2o_compile
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC_FILES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOC_FILES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md")),
+             ROOT / "docs" / "results" / "README.md"]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -36,9 +37,7 @@ def test_readme_fits_in_a_few_screens_and_names_the_recommended_preset_early():
     assert "make test" in "\n".join(lines), "CI (.ci/run) runs the README's test command, make test"
 
 
-@pytest.mark.parametrize("doc", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_relative_link_resolves(doc):
-    assert doc.is_file(), f"{doc.relative_to(ROOT)} is missing"
+def _broken_links(doc: Path) -> list[str]:
     broken = []
     for target in LINK.findall(doc.read_text(encoding="utf-8")):
         if re.match(r"[a-z]+:", target):
@@ -49,7 +48,20 @@ def test_every_relative_link_resolves(doc):
             broken.append(target)
         elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
             broken.append(target)
-    assert not broken, f"{doc.relative_to(ROOT)}: links that do not resolve: {broken}"
+    return broken
+
+
+@pytest.mark.parametrize("doc", DOC_FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(doc):
+    assert doc.is_file(), f"{doc.relative_to(ROOT)} is missing"
+    assert not _broken_links(doc), f"{doc.relative_to(ROOT)}: links that do not resolve: {_broken_links(doc)}"
+
+
+def test_every_result_file_link_resolves():
+    """The result files cite each other, their plots and their commands: a pruned file must not leave a hole."""
+    broken = {str(doc.relative_to(ROOT)): links for doc in sorted((ROOT / "docs" / "results").rglob("*.md"))
+              if (links := _broken_links(doc))}
+    assert not broken, f"links that do not resolve: {broken}"
 
 
 def test_the_code_cites_the_design_document_in_the_repository():
