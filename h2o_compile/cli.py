@@ -1,5 +1,5 @@
-"""``h2o-compile``: demo | generate | eval | eval-merge | stream | bench | export (the quality commands live
-in quality/commands.py)."""
+"""``h2o-compile``: demo | generate | export | eval | eval-merge | stream | tasks | tasks-merge | bench (the
+quality commands live in quality/commands.py; the shared flag vocabulary in arguments.py)."""
 
 from __future__ import annotations
 
@@ -7,23 +7,11 @@ import argparse
 import sys
 import time
 
-from .arguments import csv_of
+from .arguments import (COMPILE_CHOICES, COMPILE_HELP, MODEL_HELP, Parser, add_config_args, compile_choice,
+                        config_from_args, csv_of, default_out, parse_budget, require)
 from .config import POLICIES
 from .reporting import print_report
 from .zoo.loading import load_local
-
-
-def parse_budget(text: str):
-    """'0.2' -> 0.2 (fraction), '256' -> 256 (slots)."""
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"budget {text!r} must be a fraction like 0.2 or a slot count like 256") from None
 
 
 def parse_prefill(text: str):
@@ -44,21 +32,35 @@ def human_bytes(n: float) -> str:
 
 
 def add_h2o_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", type=parse_budget, default=0.2, help="fraction of the sequence (0.2) or slots (256)")
-    p.add_argument("--policy", choices=POLICIES, default="h2o")
-    p.add_argument("--sink-tokens", type=int, default=None)
-    p.add_argument("--recent-ratio", type=float, default=0.5)
-    p.add_argument("--prefill", type=parse_prefill, default="full", help="'full' or a chunk size")
-    p.add_argument("--compress-sliding", action="store_true",
+    """--preset / --rule, --budget and the single fields a command line sets most; an unset flag keeps the
+    preset's value."""
+    add_config_args(p)
+    p.add_argument("--budget", type=parse_budget, default=None,
+                   help="fraction of the sequence (0.2) or cache slots (256); default: the preset's, 0.2")
+    p.add_argument("--policy", choices=POLICIES, default=None, help="eviction policy (default: the preset's)")
+    p.add_argument("--sink-tokens", type=int, default=None, help="default: the policy's (0; sink: 4)")
+    p.add_argument("--recent-ratio", type=float, default=None, help="the recent window's share (default: the preset's)")
+    p.add_argument("--prefill", type=parse_prefill, default=None, help="'full' or a chunk size (default: full)")
+    p.add_argument("--compress-sliding", action="store_true", default=None,
                    help="sliding-window layers under the budget too (default: they keep their window)")
-    p.add_argument("--kv-dtype", choices=("model", "int8"), default="model",
+    p.add_argument("--kv-dtype", choices=("model", "int8"), default=None,
                    help="kept keys and values in the model's dtype, or int8 with one scale per vector")
+
+
+def config_of(args):
+    """The H2OConfig that --preset / --rule and the single flags say."""
+    return config_from_args(args, budget=args.budget, policy=args.policy, sink_tokens=args.sink_tokens,
+                            recent_ratio=args.recent_ratio, prefill=args.prefill,
+                            compress_sliding=args.compress_sliding, kv_dtype=args.kv_dtype)
 
 
 def cmd_generate(args) -> int:
     import torch
 
+    from transformers import TextStreamer
+
     if args.backend == "onnx":
+        require("generate --backend onnx", "onnx", "onnxruntime")
         from .export.ort import H2OOrtModel
 
         runner = H2OOrtModel.from_pretrained(args.model, native=True if args.native else "auto")
@@ -71,10 +73,8 @@ def cmd_generate(args) -> int:
         import h2o_compile
 
         model, tokenizer = load_local(args.model, args.dtype)
-        runner = h2o_compile.optimize(model, args.budget, recent_ratio=args.recent_ratio,
-                                      sink_tokens=args.sink_tokens, policy=args.policy, prefill=args.prefill,
-                                      compress_sliding=args.compress_sliding, kv_dtype=args.kv_dtype,
-                                      compile=args.compile)
+        config = config_of(args)
+        runner = h2o_compile.optimize(model, config=config, compile=args.compile)
         kv_note = None
     encoded = tokenizer(args.prompt, return_tensors="pt")
     ids = encoded["input_ids"]
@@ -86,17 +86,17 @@ def cmd_generate(args) -> int:
         sampling = dict(do_sample=True, temperature=args.temperature)
         sampling.update({k: v for k, v in (("top_k", args.top_k), ("top_p", args.top_p)) if v is not None})
     torch.manual_seed(args.seed)  # generate samples from torch's global generator, as transformers does
+    streamer = TextStreamer(tokenizer, skip_special_tokens=True)  # prints the prompt, then each word as it comes
     out = runner.generate(ids, attention_mask=encoded.get("attention_mask"), max_new_tokens=args.max_new_tokens,
-                          **sampling)
+                          streamer=streamer, **sampling)
     elapsed = time.perf_counter() - start
     new = out.shape[1] - ids.shape[1]
-    print(tokenizer.decode(out[0], skip_special_tokens=True))
     print("-" * 60)
     if kv_note is None:
         total = ids.shape[1] + args.max_new_tokens
         kv_note = (f"KV cache: full {human_bytes(runner.full_cache_bytes(1, total))}, transformers' cache "
                    f"{human_bytes(runner.hf_cache_bytes(1, total))}, H2O {human_bytes(runner.kv_cache_bytes())} "
-                   f"(capacity {runner.capacity} of {total} tokens, policy {args.policy})")
+                   f"(capacity {runner.capacity} of {total} tokens, policy {config.policy})")
     print(kv_note)
     print(f"{new} new tokens in {elapsed:.2f} s: {new / elapsed:.1f} tokens/s (prefill included)")
     return 0
@@ -105,19 +105,17 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
+    if args.out:
+        require("demo --out", "matplotlib")
     run_demo(model=args.model, out_dir=args.out, new_tokens=args.max_new_tokens, budget=args.budget)
     return 0
-
-
-def compile_choice(value: str):
-    """A --compile flag as ``optimize(compile=...)`` takes it: on/off -> True/False, a mode name as is."""
-    return {"on": True, "off": False}.get(value, value)
 
 
 def cmd_bench(args) -> int:
     """Decode benchmark vs transformers' caches + roofline; writes <out>.json/.md/.png."""
     import torch
 
+    require("bench", "matplotlib")
     from .bench.decode import BenchSettings, run_bench
     from .bench.report import write_bench_report
     from .reporting import command_line
@@ -134,7 +132,7 @@ def cmd_bench(args) -> int:
         prefill_contenders=args.prefill_contenders, quiet_wait_s=args.quiet_wait, retries=args.retries,
         contenders=args.contenders, bandwidth_mib=args.bandwidth_mib, seed=args.seed, profile=args.profile),
         **smoke})
-    out = args.out or ("/tmp/h2o_bench_smoke/decode_cpu" if args.smoke else "docs/results/decode_cpu")
+    out = args.out or str(default_out("bench") / "decode")
     result = run_bench(settings)
     command = command_line()
     if command.startswith("decode.py"):  # benchmarks/decode.py, the wrapper
@@ -146,10 +144,12 @@ def cmd_bench(args) -> int:
 
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="decode tokens/s, latency, memory vs transformers' caches + roofline")
-    bench.add_argument("--models", type=csv_of(str), default=["tiny", "kvbound"], help="tiny,kvbound (or smoke)")
+    bench.add_argument("--model", "--models", dest="models", type=csv_of(str), default=["tiny", "kvbound"],
+                       help="benchmark models, comma-separated: tiny, kvbound (a KV-bound random Llama), smoke")
     bench.add_argument("--batches", type=csv_of(int), default=[1, 8])
     bench.add_argument("--totals", type=csv_of(int), default=[1024, 4096], help="prompt + generated tokens")
-    bench.add_argument("--budgets", type=csv_of(float), default=[0.1, 0.2, 0.5], help="h2o budgets")
+    bench.add_argument("--budget", "--budgets", dest="budgets", type=csv_of(float), default=[0.1, 0.2, 0.5],
+                       help="h2o budgets, comma-separated")
     bench.add_argument("--local-budget", type=float, default=0.2)
     bench.add_argument("--steps", type=int, default=16, help="timed decode steps per block")
     bench.add_argument("--warmup", type=int, default=3, help="untimed decode steps (compile included)")
@@ -160,8 +160,7 @@ def add_bench_parser(sub) -> None:
                        default=["hf-dynamic", "hf-static-compile", "h2o-full", "h2o@0.2"],
                        help="contenders whose batch-1 prefill is timed ('' = all)")
     bench.add_argument("--compile", choices=("on", "off", "max-autotune"), default="on",
-                       help="compiled contenders: torch.compile default mode, eager, or max-autotune (CPU: with "
-                            "frozen, prepacked weights) for transformers' StaticCache and H2O alike")
+                       help="the compiled contenders (transformers' StaticCache and H2O alike): " + COMPILE_HELP)
     bench.add_argument("--contenders", type=csv_of(str), default=None,
                        help="subset, e.g. hf-dynamic,hf-static-compile,h2o-full,local@0.2,h2o@0.2")
     bench.add_argument("--bandwidth-mib", type=int, default=512)
@@ -171,30 +170,32 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--quiet-wait", type=float, default=900.0,
                        help="max seconds to wait, before each measurement, for other processes to leave the CPU")
     bench.add_argument("--retries", type=int, default=2, help="redo a decode configuration others disturbed")
-    bench.add_argument("--smoke", action="store_true", help="tiny sizes, to check it works (output in /tmp)")
-    bench.add_argument("--out", default=None, help="path without extension (default docs/results/decode_cpu)")
+    bench.add_argument("--smoke", action="store_true", help="tiny sizes, to check it works")
+    bench.add_argument("--out", default=None, help="path without extension (default: runs/bench-<time>/decode)")
     bench.set_defaults(func=cmd_bench)
 
 
 def cmd_export(args) -> int:
+    require("export", "onnx", "onnxscript")
     from .export import export_onnx
 
+    config = config_of(args)  # a bad configuration fails before the model loads
     model, tokenizer = load_local(args.model, args.dtype)
-    out = export_onnx(model, args.output, budget=args.budget, max_seq_len=args.max_seq_len,
-                      batch_size=args.batch_size, policy=args.policy, recent_ratio=args.recent_ratio,
-                      sink_tokens=args.sink_tokens, prefill=args.prefill, compress_sliding=args.compress_sliding,
-                      kv_dtype=args.kv_dtype, opset=args.opset, tokenizer=tokenizer, op=args.op)
+    out = export_onnx(model, args.out or default_out("export"), config=config, max_seq_len=args.max_seq_len,
+                      batch_size=args.batch_size, opset=args.opset, tokenizer=tokenizer, op=args.op)
     print(f"wrote {out} (model.onnx, h2o_config.json, config + tokenizer)")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h2o-compile", description="H2O KV-cache eviction for Hugging Face LMs")
-    sub = parser.add_subparsers(dest="command", required=True)
+    from . import __version__
 
-    gen = sub.add_parser("generate", help="generate text with an H2O cache from a local model folder")
-    gen.add_argument("model", nargs="?", help="model folder (or the exported folder with --backend onnx)")
-    gen.add_argument("--model", dest="model_opt", help="model folder, .gguf file, or gemma3-270m / tiny")
+    parser = Parser(prog="h2o-compile", description="H2O KV-cache eviction for Hugging Face causal LMs")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    gen = sub.add_parser("generate", help="generate text with an H2O cache, streaming tokens as they come")
+    gen.add_argument("--model", required=True, help=MODEL_HELP + " (with --backend onnx: an exported folder)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -202,23 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None, help="when sampling (default: the model's, else 1.0)")
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
-    gen.add_argument("--backend", choices=("torch", "onnx"), default="torch")
+    gen.add_argument("--backend", choices=("torch", "onnx"), default="torch",
+                     help="torch: optimize() the model; onnx: run a folder written by h2o-compile export")
     gen.add_argument("--native", action="store_true",
                      help="with --backend onnx: require the native H2OAttention op (compiled on first use; "
                           "default: used when it builds)")
-    gen.add_argument("--compile", choices=("auto", "on", "off", "reduce-overhead", "max-autotune"), default="auto",
-                     help="decode step under torch.compile: auto = on CUDA only; or a torch.compile mode "
-                          "(max-autotune on CPU also freezes and prepacks the weights)")
+    gen.add_argument("--compile", choices=COMPILE_CHOICES, default="auto", help=COMPILE_HELP)
     add_h2o_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    from .quality.commands import add_quality_parsers  # eval, eval-merge, stream
-
-    add_quality_parsers(sub)
-
     exp = sub.add_parser("export", help="export an H2O model to ONNX for ONNX Runtime")
-    exp.add_argument("--model", required=True, help="model folder, .gguf file, or gemma3-270m / tiny")
-    exp.add_argument("-o", "--output", required=True, help="output folder")
+    exp.add_argument("--model", required=True, help=MODEL_HELP)
+    exp.add_argument("--out", "-o", "--output", dest="out", default=None,
+                     help="output folder (default: runs/export-<time>)")
     add_h2o_args(exp)
     exp.add_argument("--max-seq-len", type=int, default=None,
                      help="prompt + new tokens the export serves (default min(2048, max positions))")
@@ -231,12 +228,15 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=cmd_export)
 
     demo = sub.add_parser("demo", help="offline demo: Gemma 3 270M (or the tiny model), full cache vs H2O at 20%%")
-    demo.add_argument("--model", default="gemma3-270m", help="gemma3-270m (default; the gemma extra) or tiny")
+    demo.add_argument("--model", default="gemma3-270m", help="gemma3-270m (the gemma extra) or tiny")
     demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--budget", type=float, default=0.2)
+    demo.add_argument("--budget", type=float, default=0.2, help="fraction of the sequence kept")
     demo.add_argument("--out", default=None, help="folder for demo.md / .json / .png (default: print only)")
     demo.set_defaults(func=cmd_demo)
 
+    from .quality.commands import add_quality_parsers  # eval, eval-merge, stream, tasks, tasks-merge
+
+    add_quality_parsers(sub)
     add_bench_parser(sub)
     return parser
 
@@ -244,10 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "command", None) == "generate":
-        args.model = args.model_opt or args.model
-        if not args.model:
-            parser.error("generate needs a model folder (--model PATH)")
+    if hasattr(args, "compile") and args.command == "generate":
         args.compile = compile_choice(args.compile)
     try:
         return args.func(args)

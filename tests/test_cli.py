@@ -4,7 +4,77 @@ from __future__ import annotations
 
 import pytest
 
-from h2o_compile.cli import main
+import h2o_compile
+
+from h2o_compile.cli import build_parser, main
+
+SUBCOMMANDS = ["demo", "generate", "export", "eval", "eval-merge", "stream", "tasks", "tasks-merge", "bench"]
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_has_help_with_defaults_and_takes_model_and_out(command, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "--out" in text or command == "generate"  # generate prints, it writes nothing
+    if command not in ("eval-merge", "tasks-merge"):
+        assert "--model" in text and "--budget" in text
+    if command in ("generate", "export"):
+        assert "--preset" in text and "--rule" in text and "(default: paper)" in text
+    assert "docs/results" not in text  # no command writes into the package's results by default
+
+
+def test_version_and_the_subcommand_list(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"h2o-compile {h2o_compile.__version__}"
+    choices = next(a for a in build_parser()._actions if a.dest == "command").choices
+    assert sorted(choices) == sorted(SUBCOMMANDS)
+
+
+def test_preset_and_rule_make_the_config_in_the_one_syntax():
+    from h2o_compile.cli import config_of
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--model", "m", "--prompt", "p", "--preset", "recommended",
+                              "--rule", "decay=0.9", "--budget", "0.1", "--kv-dtype", "int8"])
+    config = config_of(args)
+    recommended = h2o_compile.PRESETS["recommended"]
+    assert config == recommended.replace(decay=0.9, budget=0.1, kv_dtype="int8")
+    args = parser.parse_args(["export", "--model", "m", "--rule", "tova+recent_ratio=0.1"])
+    assert config_of(args) == h2o_compile.H2OConfig.parse("tova+recent_ratio=0.1")
+    assert config_of(parser.parse_args(["generate", "--model", "m", "--prompt", "p"])) == h2o_compile.PRESETS["paper"]
+
+
+def test_a_bad_rule_is_a_one_line_error(capsys):
+    assert main(["export", "--model", "tiny", "--rule", "decay=2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "decay" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_extra_is_named(monkeypatch):
+    import importlib.util
+
+    from h2o_compile import arguments
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(ImportError, match=r"h2o-compile eval needs matplotlib: pip install 'h2o-compile\[eval\]'"):
+        arguments.require("eval", "matplotlib")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ImportError, match=r"h2o-compile\[onnx\].*onnx-gpu"):
+        arguments.require("export", "onnx")
+
+
+def test_default_out_is_a_new_folder_under_the_current_directory(tmp_path, monkeypatch):
+    from h2o_compile.arguments import default_out
+
+    monkeypatch.chdir(tmp_path)
+    first = default_out("eval")
+    assert first.parent == tmp_path / "runs" and first.name.startswith("eval-") and not first.exists()
+    first.mkdir(parents=True)
+    assert default_out("eval") != first
 
 
 def test_generate_prints_text_memory_and_speed(model_dir, capsys):
@@ -43,7 +113,8 @@ def test_export_then_generate_with_onnx_backend_matches_torch(model_dir, tmp_pat
     assert (out / "model.onnx").is_file()
     capsys.readouterr()
     prompt = "w3 w9 w27 w81 w50 w12 w1 w8 w64 w30"
-    assert main(["generate", str(out), "--backend", "onnx", "--prompt", prompt, "--max-new-tokens", "8"]) == 0
+    assert main(["generate", "--model", str(out), "--backend", "onnx", "--prompt", prompt,
+                 "--max-new-tokens", "8"]) == 0
     onnx_text = capsys.readouterr().out.split("\n")[0]
     assert main(["generate", "--model", str(model_dir), "--budget", "8", "--prompt", prompt, "--max-new-tokens", "8",
                  "--compile", "off"]) == 0

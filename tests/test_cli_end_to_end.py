@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +63,38 @@ def test_export_with_dtype_and_fixed_batch_then_generate_with_onnx(model_dir, tm
             "--dtype", dtype)
     meta = json.loads((out / "h2o_config.json").read_text())
     assert meta["dtype"] == dtype and meta["batch_size"] == 1
-    text = run_cli("generate", out, "--backend", "onnx", "--prompt", "w3 w9 w27", "--max-new-tokens", 6,
+    text = run_cli("generate", "--model", out, "--backend", "onnx", "--prompt", "w3 w9 w27", "--max-new-tokens", 6,
                    "--temperature", 0.7, "--top-k", 10, "--seed", 1)
     assert text.startswith("w3 w9 w27")
+
+
+def _git_status(root: Path):
+    done = subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"], capture_output=True, text=True,
+                          cwd=root)
+    return done.stdout if done.returncode == 0 else None
+
+
+def test_a_run_in_a_checkout_leaves_git_status_clean_and_writes_under_runs(tmp_path):
+    """eval with its default --out, run from the repository root: the report lands in a new folder under
+    ./runs/ (gitignored), nothing in the package's docs/ changes."""
+    root = Path(__file__).resolve().parents[1]
+    before = _git_status(root)
+    if before is None:
+        pytest.skip("not a git checkout")
+    runs = root / "runs"
+    existing = set(runs.iterdir()) if runs.is_dir() else set()
+    text = tmp_path / "corpus.txt"
+    text.write_text("The soldier walked to the river and sat by the mill. " * 200, encoding="utf-8")
+    try:
+        run_cli("eval", "--model", "tiny", "--text", text, "--seq-len", "32", "--batch-size", 1,
+                "--num-seqs", 0, "--gen-prompt-len", 16, "--gen-new-tokens", 4, "--gen-prompts", 1,
+                "--budget", "0.5", "--policies", "full,h2o", "--compile", "off", cwd=root)
+        new = set(runs.iterdir()) - existing
+        assert len(new) == 1 and next(iter(new)).name.startswith("eval-")
+        assert (next(iter(new)) / "eval.json").is_file()
+        assert _git_status(root) == before
+    finally:
+        for folder in (set(runs.iterdir()) - existing if runs.is_dir() else ()):
+            shutil.rmtree(folder)
+        if runs.is_dir() and not existing:
+            runs.rmdir()

@@ -6,13 +6,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..arguments import csv_of
+from ..arguments import MODEL_HELP, csv_of, default_out, require
 from ..config import H2OConfig, POLICIES, POSITIONS
 from ..reporting import print_report
 from ..zoo.loading import load_local, model_name
 
 
 def cmd_eval(args) -> int:
+    require("eval", "matplotlib")
+    args.out = args.out or str(default_out("eval"))
     import torch
 
     from .report import write_eval_report
@@ -24,7 +26,7 @@ def cmd_eval(args) -> int:
     if "full" in args.policies:
         args.policies = ["full"] + [p for p in args.policies if p != "full"]
     torch.manual_seed(0)
-    model, tokenizer = load_local(args.model or "tiny")  # the tiny model is the zoo name "tiny"
+    model, tokenizer = load_local(args.model)
     settings = EvalSettings(budgets=args.budgets, policies=args.policies, seq_len=args.seq_len,
                             num_seqs=args.num_seqs, batch_size=args.batch_size, prompt_len=args.prompt_len,
                             gen_prompt_len=args.gen_prompt_len, gen_new_tokens=args.gen_new_tokens,
@@ -55,6 +57,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_stream(args) -> int:
+    require("stream", "matplotlib")
+    args.out = args.out or str(default_out("stream"))
     import torch
 
     from .stream import stream_rule_options, stream_runs
@@ -102,6 +106,8 @@ def cmd_stream(args) -> int:
 
 
 def cmd_eval_merge(args) -> int:
+    require("eval-merge", "matplotlib")
+    args.out = args.out or str(default_out("eval-merge"))
     from .merge import load_run, merge_runs
     from .report import write_eval_report
 
@@ -118,6 +124,8 @@ def cmd_eval_merge(args) -> int:
 
 def cmd_tasks(args) -> int:
     """Retrieval tasks (quality/tasks.py) under every configuration; tasks.json / .md / plots in --out."""
+    require("tasks", "matplotlib")
+    args.out = args.out or str(default_out("tasks"))
     import torch
 
     from ..zoo.data import clean_text
@@ -195,6 +203,10 @@ def _part_setting(part: range) -> list[int]:
 
 
 def cmd_tasks_merge(args) -> int:
+    require("tasks-merge", "matplotlib")
+    if args.out is None and len(args.runs) > 1 and not (Path(args.runs[0]) / "tasks.json").is_file():
+        args.out, args.runs = args.runs[0], args.runs[1:]  # the older form: tasks-merge OUT RUNS...
+    args.out = args.out or str(default_out("tasks-merge"))
     from .task_merge import merge_task_runs
 
     print_report(merge_task_runs(args.runs, args.out))
@@ -203,12 +215,12 @@ def cmd_tasks_merge(args) -> int:
 
 def add_quality_parsers(sub) -> None:
     ev = sub.add_parser("eval", help="perplexity and generation agreement vs budget, per policy")
-    ev.add_argument("--model", default=None, help="model folder, .gguf file, or gemma3-270m / tiny (default: tiny)")
+    ev.add_argument("--model", default="tiny", help=MODEL_HELP)
     ev.add_argument("--text", nargs="+", required=True, help="text file(s) to evaluate on")
-    ev.add_argument("--tail", type=float, default=1.0, help="use only the last fraction of each file (0.1)")
+    ev.add_argument("--tail", type=float, default=1.0, help="use only the last fraction of each file, e.g. 0.1")
     ev.add_argument("--heldout", type=float, default=None,
                     help="use the held-out tail exactly as the shipped model's trainer split it (e.g. 0.1)")
-    ev.add_argument("--budgets", type=csv_of(float), default=[0.05, 0.1, 0.2, 0.5, 1.0],
+    ev.add_argument("--budget", "--budgets", dest="budgets", type=csv_of(float), default=[0.05, 0.1, 0.2, 0.5, 1.0],
                     help="comma-separated fractions of the sequence kept (0.05,0.1,0.2,0.5,1.0)")
     ev.add_argument("--policies", type=csv_of(str), default=["full", "h2o", "local", "sink", "random"],
                     help="comma-separated, from full, h2o, local, sink, random (all)")
@@ -224,27 +236,29 @@ def add_quality_parsers(sub) -> None:
     ev.add_argument("--compress-sliding", action="store_true",
                     help="compress sliding-window layers to the budget too (default: they keep their window)")
     ev.add_argument("--h2o-sinks", type=int, default=0, help="also evaluate h2o with this many sink tokens")
-    ev.add_argument("--h2o-rules", type=csv_of(str), default=[],
-                    help="also evaluate h2o under these score rules: mean, max, tova, snapkv, decay=G, window=W, "
+    ev.add_argument("--rule", "--rules", "--h2o-rules", dest="h2o_rules", type=csv_of(str), default=[],
+                    help="also evaluate h2o under these rules, comma-separated, each in the rule syntax "
+                         "(H2OConfig.parse): presets, mean, max, tova, snapkv, decay=G, window=W, "
                          "pool=K, recent=R (the recent window's share), global=S (full-attention layers' share of "
                          "the slots, with --compress-sliding), sliding=SCORE (the sliding-window layers' own score, "
                          "with --compress-sliding), joined by '+'")
     ev.add_argument("--kv-dtypes", type=csv_of(str), default=["model"],
                     help="entry dtypes, each configuration once per dtype: model, int8 (model); int8 rows are "
                          "labelled <policy>+int8")
-    ev.add_argument("--out", default="docs/results/eval", help="folder for eval.json / .md / .png")
+    ev.add_argument("--out", default=None, help="folder for eval.json / .md / .png (default: runs/eval-<time>)")
     ev.set_defaults(func=cmd_eval)
 
     merge = sub.add_parser("eval-merge", help="one report (table, plot) from eval runs of the same measurement")
     merge.add_argument("runs", nargs="+", help="folders written by h2o-compile eval --out")
-    merge.add_argument("--out", required=True, help="folder for the merged eval.json / .md / .png")
+    merge.add_argument("--out", default=None, help="folder for the merged report (default: runs/eval-merge-<time>)")
     merge.set_defaults(func=cmd_eval_merge)
 
     st = sub.add_parser("stream", help="one long stream through a fixed-size cache: perplexity and memory along it")
-    st.add_argument("--model", default="tiny", help="model folder, .gguf file, or gemma3-270m / tiny (default)")
+    st.add_argument("--model", default="tiny", help=MODEL_HELP)
     st.add_argument("--text", nargs="+", required=True, help="text file(s), concatenated into one stream")
     st.add_argument("--tokens", type=int, required=True, help="stream length in tokens")
-    st.add_argument("--budget-slots", type=int, required=True, help="cache slots C per layer and KV head")
+    st.add_argument("--budget", "--budget-slots", dest="budget_slots", type=int, required=True,
+                    help="cache slots C per layer and KV head (a stream has no end, so a number of slots)")
     st.add_argument("--chunk", type=int, default=64, help="tokens per step (memory: C + chunk)")
     st.add_argument("--policy", type=csv_of(str), default=["h2o", "sink"], help="comma-separated (h2o,sink)")
     st.add_argument("--positions", type=csv_of(str), default=["rolling"],
@@ -254,7 +268,7 @@ def add_quality_parsers(sub) -> None:
                     help="the cap of --positions capped (default: half the model's max_position_embeddings)")
     st.add_argument("--sink-tokens", type=int, default=None, help="default: 0 for h2o, 4 for sink")
     st.add_argument("--window-tokens", type=int, default=4096, help="scored tokens per reported window")
-    st.add_argument("--rules", type=csv_of(str), default=["sum"],
+    st.add_argument("--rule", "--rules", dest="rules", type=csv_of(str), default=["sum"],
                     help="h2o score rules, one run each: sum, mean, max, tova, decay=G, global=S and "
                          "sliding=SCORE (with --compress-sliding), joined by '+' (sum); no prompt rules (window=, "
                          "pool=, snapkv): a stream has no prompt")
@@ -262,18 +276,19 @@ def add_quality_parsers(sub) -> None:
     st.add_argument("--compress-sliding", action="store_true",
                     help="sliding-window layers under the policy too, min(C, W) slots (default: they keep their "
                          "window); needed by rules with global=S")
-    st.add_argument("--out", default="docs/results/stream")
+    st.add_argument("--out", default=None, help="folder for stream.json / .md / .png (default: runs/stream-<time>)")
     st.set_defaults(func=cmd_stream)
 
     tk = sub.add_parser("tasks", help="long-context retrieval (pass key, multi-key, variable tracking) vs budget")
-    tk.add_argument("--model", default="tiny", help="model folder, .gguf file, or gemma3-270m / tiny (default)")
+    tk.add_argument("--model", default="tiny", help=MODEL_HELP)
     tk.add_argument("--tasks", type=csv_of(str), default=["passkey"], help="comma-separated: passkey,multikey,vartrack")
     tk.add_argument("--lengths", type=csv_of(int), default=[2048, 4096], help="prompt tokens (2048,4096)")
     tk.add_argument("--samples", type=int, default=50, help="prompts per task and length (50)")
-    tk.add_argument("--budgets", type=csv_of(float), default=[0.1, 0.2, 0.5], help="fractions kept (0.1,0.2,0.5)")
+    tk.add_argument("--budget", "--budgets", dest="budgets", type=csv_of(float), default=[0.1, 0.2, 0.5],
+                    help="fractions kept, comma-separated")
     tk.add_argument("--policies", type=csv_of(str), default=["h2o", "sink", "local"],
                     help="comma-separated, from h2o, local, sink, random (h2o,sink,local)")
-    tk.add_argument("--rules", type=csv_of(str), default=["sum"],
+    tk.add_argument("--rule", "--rules", dest="rules", type=csv_of(str), default=["sum"],
                     help="h2o score rules: sum, mean, max, tova, snapkv, decay=G, window=W, pool=K, global=S and "
                          "sliding=SCORE (with --compress-sliding), joined by '+' (sum)")
     tk.add_argument("--compress-sliding", action="store_true",
@@ -289,11 +304,13 @@ def add_quality_parsers(sub) -> None:
     tk.add_argument("--part", default=None,
                     help="START:STOP[:STEP]: run only these sample indices of the --samples grid (split runs, "
                          "tasks-merge; a STEP picks every STEP-th)")
-    tk.add_argument("--out", default="docs/results/tasks", help="folder for tasks.json / .md / .png")
+    tk.add_argument("--out", default=None, help="folder for tasks.json / .md / .png (default: runs/tasks-<time>)")
     tk.set_defaults(func=cmd_tasks)
 
     tm = sub.add_parser("tasks-merge", help="one report (tables, heat map, plots) from task runs of one measurement")
-    tm.add_argument("out", help="folder for the merged tasks.json / .md / .png / samples.jsonl")
     tm.add_argument("runs", nargs="+", help="folders written by h2o-compile tasks --out (or kvpress_tasks.py)")
+    tm.add_argument("--out", default=None,
+                    help="folder for the merged tasks.json / .md / .png / samples.jsonl (default: "
+                         "runs/tasks-merge-<time>; the older form 'tasks-merge OUT RUNS...' still works)")
     tm.set_defaults(func=cmd_tasks_merge)
 
