@@ -249,9 +249,9 @@ class ContinuousBatchingManager:
     def _finish(self, request: Request, error: Optional[str] = None) -> None:
         self._requests.pop(request.id, None)
         if request.row is not None:  # the row frees at once: the next admitted request takes it
+            reset_row(self.opt, request.row)
             self._slots[request.row] = None
             self._active[request.row] = False
-            reset_row(self.opt, request.row)
             request.row = None
         output = finished_output(request, error)
         self._finished.append(output)
