@@ -8,7 +8,8 @@ picks, per call:
   Triton is importable, else the reference; ``H2O_COMPILE_BACKEND=reference|triton`` forces one;
 - on the reference backend, the attention of a block (torch's fused CPU attention, kernels/cpu_prefill.py,
   where it applies) and of a decode step (the native CPU op, kernels/native_cpu.py, where it is built);
-- the graph the compiled decode step runs (:func:`decode_step_graph`).
+- the graph the compiled decode step runs (:func:`decode_step_graph`) and its attention
+  (:func:`compiled_decode_attend`).
 
 :data:`CAPABILITIES` says which scores, prompt options, entry dtypes and position schemes every backend serves;
 :func:`check_served` refuses a configuration by name before any work.
@@ -68,6 +69,35 @@ def attend_decode_step(q, k, v, valid, state, scale, new_pos, *, window, softcap
                                         new_pos, window, softcap, sink_logits)
     return reference.attend_decode(q, k, v, valid, state, scale, new_pos, window=window, softcap=softcap,
                                    sink_logits=sink_logits)
+
+
+def compiled_decode_attend(native: bool, quantized: bool):
+    """The attention of the compiled decode step (``ops.decode_fusable_``), ``reference.attend_decode``'s
+    signature: int8 entries in the open, so the compiler reads the int8 bytes inside its own reduction loops (a
+    BLAS product would need an fp32 copy of every slot chunk first); else the native CPU op where ``native``
+    (decided when the graph is built), else the opaque ``h2o::attend_decode``, which keeps its two batched
+    matrix-vector products on the BLAS kernels."""
+    if quantized:
+        return _int8_decode_in_the_open
+    return _native_decode if native else _opaque_decode
+
+
+def _int8_decode_in_the_open(q, k, v, valid, state, scale, new_pos, *, window, softcap, sink_logits):
+    # materialize: the query is computed before the reduction loops, the output before the cache writes.
+    [q] = torch.ops.h2o.materialize([q])
+    out = reference.attend_decode(q, k, v, valid, state, scale, new_pos, window=window, softcap=softcap,
+                                  sink_logits=sink_logits, fused_dequant=True)
+    return tuple(torch.ops.h2o.materialize(list(out)))
+
+
+def _native_decode(q, k, v, valid, state, scale, new_pos, *, window, softcap, sink_logits):
+    return native_cpu.attend_decode(q, k, v, valid, state.key_cache, state.value_cache, state.pos_cache, scale,
+                                    new_pos, window, softcap, sink_logits)
+
+
+def _opaque_decode(q, k, v, valid, state, scale, new_pos, *, window, softcap, sink_logits):
+    return torch.ops.h2o.attend_decode(q, k, v, valid, state.key_cache, state.value_cache, state.pos_cache, scale,
+                                       new_pos, window, softcap, sink_logits)
 
 
 def h2o_attention_(q, k, v, positions, valid, state, **params):

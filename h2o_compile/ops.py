@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import backends
-from .kernels import native_cpu, reference
+from .kernels import reference
 from .kernels.rolling import as_tables
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
@@ -198,37 +198,19 @@ def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: O
                     rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
                     key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None,
                     max_distance: int = 0, native: bool = False) -> Tensor:
-    """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: the opaque attention op, then
-    reference.evict_and_write_ as plain torch ops that torch.compile fuses into the step's generated code
-    (on CPU one loop nest per layer instead of ~25 small eager kernels). Same signature and result as the op,
-    plus ``native``: the attention through the native CPU op (kernels/native_cpu.py; decided when the graph
-    is built, since the check that builds the library cannot run inside traced code). The compiled CPU decode
-    graph calls this (passes.fuse_decode_bookkeeping)."""
+    """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: ``reference.h2o_decode_`` traced
+    into the step, so the eviction bookkeeping (reference.evict_and_write_) is plain torch ops that torch.compile
+    fuses into the step's generated code (on CPU one loop nest per layer instead of many small eager kernels),
+    around the attention ``backends.compiled_decode_attend`` picks. Same signature and result as the op, plus
+    ``native``: the attention through the native CPU op (kernels/native_cpu.py; decided when the graph is built,
+    since the check that builds the library cannot run inside traced code). The compiled CPU decode graph calls
+    this (passes.fuse_decode_bookkeeping)."""
     check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
                  window, softcap, sink_logits, query_from, key_scale, value_scale)
     if q.shape[2] != 1:
         raise ValueError(f"decode_fusable_ takes one token per row (T = 1); got T = {q.shape[2]}")
-    valid, new_pos, newest = reference._block_inputs(k, positions, valid)
     state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
-    # Rolling positions: the rotation (a gather and a few elementwise ops) is plain torch ops too.
-    q_seen, k_seen, seen = reference.rolled_inputs(q, k, new_pos, state, as_tables(rope_cos, rope_sin, max_distance))
-    if state.quantized:
-        # int8 entries: the attention in the open too, so the compiler reads the int8 bytes inside its own
-        # reduction loops (a BLAS product would need an fp32 copy of every slot chunk first). materialize: the
-        # query is computed before those loops, the output before the writes below.
-        [q_seen] = materialize([q_seen])
-        out, mass_cache, mass_new = reference.attend_decode(q_seen, k_seen, v, valid, seen, scale, new_pos,
-                                                            window=window, softcap=softcap,
-                                                            sink_logits=sink_logits, fused_dequant=True)
-        out, mass_cache, mass_new = materialize([out, mass_cache, mass_new])
-    elif native:
-        out, mass_cache, mass_new = native_cpu.attend_decode(q_seen, k_seen, v, valid, seen.key_cache, value_cache,
-                                                             pos_cache, scale, new_pos, window, softcap, sink_logits)
-    else:
-        out, mass_cache, mass_new = torch.ops.h2o.attend_decode(q_seen, k_seen, v, valid, seen.key_cache,
-                                                                value_cache, pos_cache, scale, new_pos, window,
-                                                                softcap, sink_logits)
-    reference.evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent,
-                               sinks=sinks, policy=policy, seed=seed, window=window, positions=positions,
-                               query_from=query_from)
-    return out
+    return reference.h2o_decode_(q, k, v, positions, valid, state, scale=scale, recent=recent, sinks=sinks,
+                                 policy=policy, seed=seed, window=window, softcap=softcap, sink_logits=sink_logits,
+                                 rope=as_tables(rope_cos, rope_sin, max_distance), query_from=query_from,
+                                 attend_decode_fn=backends.compiled_decode_attend(native, state.quantized))

@@ -17,6 +17,7 @@ is how the tests check them against the reference without a GPU.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -60,10 +61,10 @@ def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Op
                    split_size: int = 0) -> Tensor:
     """In-place H2O attention with the Triton kernels; the contract of ``reference.h2o_attention_``.
 
-    The kernels compute the attention and each key's mass; the scores, the eviction and the writes are the
-    reference's torch code (``evict_and_write_`` for a decode step, ``block_scores`` + ``compress`` for a
-    block), so every rule is written once (kernels/rules.py). A block is ``reference.h2o_attention`` with the
-    Triton prefill as its attention; a quantized state's int8 entries are read by the decode kernel directly.
+    ``reference.h2o_attention_`` with the Triton kernels as its attention: they compute the attention and each
+    key's mass; the scores, the eviction and the writes are the reference's torch code (``evict_and_write_``
+    for a decode step, ``block_scores`` + ``compress`` for a block), so every rule is written once
+    (kernels/rules.py). A quantized state's int8 entries are read by the decode kernel directly.
 
     Args:
         q: [B, Hq, T, D]; k: [B, Hkv, T, D]; v: [B, Hkv, T, Dv]; positions: [B, T] int64;
@@ -76,29 +77,23 @@ def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Op
     Returns:
         out [B, Hq, T, Dv] in q's dtype.
     """
-    b, hkv, t, _ = k.shape
-    if valid is None:
-        valid = torch.ones(b, t, dtype=torch.bool, device=k.device)
-    if t > 1:
-        out, new_state = reference.h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
-                                                 sinks=sinks, policy=policy, seed=seed, window=window, softcap=softcap,
-                                                 sink_logits=sink_logits, rope=rope, query_from=query_from,
-                                                 attend_fn=_triton_attend_block)
-        reference.copy_state_(state, new_state)
-        return out
-    _, new_pos, newest = reference._block_inputs(k, positions, valid)
-    q_seen, k_seen, seen = reference.rolled_inputs(q, k, new_pos, state, rope)
-    out, mass_cache, mass_new = torch.ops.h2o.triton_decode_attend(
-        q_seen, k_seen, v, positions, valid, seen.key_cache, seen.value_cache, seen.pos_cache, scale, split_size,
-        window, softcap, sink_logits, seen.key_scale, seen.value_scale)
-    reference.evict_and_write_(state, k, v, new_pos, newest, valid, mass_cache, mass_new, recent=recent,
-                               sinks=sinks, policy=policy, seed=seed, window=window, positions=positions,
-                               query_from=query_from)
-    return out
+    decode = functools.partial(_triton_decode_attend, split_size=split_size)
+    return reference.h2o_attention_(q, k, v, positions, valid, state, scale=scale, recent=recent, sinks=sinks,
+                                    policy=policy, seed=seed, window=window, softcap=softcap,
+                                    sink_logits=sink_logits, rope=rope, query_from=query_from,
+                                    attend_fn=_triton_attend_block, attend_decode_fn=decode)
+
+
+def _triton_decode_attend(q, k, v, valid, state, scale, new_pos, *, window, softcap, sink_logits, split_size=0):
+    """reference.attend_decode's contract with the Triton decode kernel; the kernel takes the new token's
+    position per row [B, 1] (-1 on a padding row, whose output and mass it zeroes without reading it)."""
+    return torch.ops.h2o.triton_decode_attend(q, k, v, new_pos[:, 0, :], valid, state.key_cache, state.value_cache,
+                                              state.pos_cache, scale, split_size, window, softcap, sink_logits,
+                                              state.key_scale, state.value_scale)
 
 
 def _triton_attend_block(q, keys, values, key_pos, positions, valid, scale, *, new_from, window, softcap,
                          sink_logits, query_weight, need_mass, peak=False):
-    """reference.attend_block's contract with the Triton prefill kernel (which always returns the mass)."""
+    """reference.attend's contract (plus need_mass) with the Triton prefill kernel, which always returns the mass."""
     return torch.ops.h2o.triton_prefill(q, keys, values, key_pos, positions, valid, scale, new_from, window,
                                         softcap, sink_logits, query_weight, peak)
