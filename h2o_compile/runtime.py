@@ -15,6 +15,7 @@ from .compiling import check_compile, check_regional_compile, compile_step, comp
 from .backends import backend_for, check_served, decode_step_graph
 from .cache_plan import CachePlan
 from .config import H2OConfig
+from .hf_interface import CausalLMInterface, register_for_pipelines
 from .kernels import native_cpu
 from .presets import PRESET_OPTIONS
 from .passes import (LayerSpec, cache_rotary_tables, find_attention_sites, find_rotary,
@@ -33,16 +34,19 @@ def _positive_ints(name: str, values) -> list[int]:
     return values
 
 
-class H2OModel(nn.Module):
+class H2OModel(CausalLMInterface, nn.Module):
     """A causal LM whose KV cache holds at most C slots per layer and KV head (see H2OConfig).
 
-    Use ``generate`` like transformers', or drive it yourself: ``reset(batch_size, max_seq_len)`` then
-    ``step(input_ids, attention_mask)`` once per block (a prompt, then one token at a time).
+    Use it as a transformers causal LM (``generate``, ``pipeline("text-generation", model=...)``,
+    ``model(input_ids, labels=...)`` scoring as H2O decodes, ``save_pretrained`` / ``from_pretrained``,
+    ``.to()``; h2o_compile/hf_interface.py), or drive the cache yourself: ``reset(batch_size, max_seq_len)``
+    then ``step(input_ids, attention_mask)`` once per block (a prompt, then one token at a time).
     """
 
     def __init__(self, model: nn.Module, graph: torch.fx.GraphModule, layers: list[LayerSpec], config: H2OConfig,
                  limits: ModelLimits, compile: Union[str, bool] = "auto", regional_compile: bool = False):
         super().__init__()
+        register_for_pipelines(type(self))
         check_compile(compile)
         check_regional_compile(regional_compile)
         self.model = model  # kept for .config / .generation_config; the graph shares its weights
@@ -344,14 +348,6 @@ class H2OModel(nn.Module):
         """
         return generation.generate(self, input_ids, attention_mask, generation_config, logits_processor,
                                    stopping_criteria, streamer, **kwargs)
-
-    @property
-    def generation_config(self):
-        """The wrapped model's GenerationConfig: generate's defaults, as in transformers."""
-        return getattr(self.model, "generation_config", None)
-
-    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None) -> Tensor:
-        return self.step(input_ids, attention_mask)
 
 
 def build_graph(model: nn.Module, *, functional: bool = False, positions: str = "true", quantized: bool = False,

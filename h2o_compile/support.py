@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import torch
 from torch import nn
 
 # Position biases added to the attention logits: the bias of an evicted key depends on distances the cache
 # no longer keeps consistent, and these models carry it in an additive mask we would drop.
 _ALIBI_MODEL_TYPES = ("bloom", "mpt", "falcon_alibi")
+
+
+# Said by every refusal of a model that is not a causal LM.
+ACCEPTED = ("accepted: a decoder-only causal LM with its LM head, as AutoModelForCausalLM loads it (e.g. "
+            "LlamaForCausalLM, Gemma3ForCausalLM, GPT2LMHeadModel)")
+_PROBE_TOKENS = 6
 
 
 class UnsupportedModelError(ValueError):
@@ -49,8 +57,9 @@ def check_supported(model: nn.Module) -> ModelLimits:
     config = text_config(model)
     name = f"{type(model).__name__} (model_type={getattr(config, 'model_type', '?')!r})"
     if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{name}: encoder-decoder models use cross-attention; only decoder-only "
-                                    "causal LMs are supported")
+        raise UnsupportedModelError(f"{name}: an encoder-decoder model (cross-attention over a bidirectional "
+                                    f"encoder); {ACCEPTED}")
+    check_causal_lm(model, name)
     if getattr(config, "model_type", None) in _ALIBI_MODEL_TYPES or getattr(config, "alibi", False):
         raise UnsupportedModelError(f"{name}: ALiBi position bias is not supported (only rotary or learned "
                                     "absolute positions)")
@@ -60,6 +69,47 @@ def check_supported(model: nn.Module) -> ModelLimits:
     softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
     return ModelLimits(layers, getattr(config, "max_position_embeddings", None), layer_windows(config, name),
                        softcap)
+
+
+def check_causal_lm(model: nn.Module, name: str) -> None:
+    """Refuse a model that is not a causal LM with a head, by running it on a few tokens (the config cannot say:
+    ``is_decoder`` is False on causal GPT-NeoX configs, and absent on most): a base model returns no
+    ``logits``; a model whose logits at earlier positions change with the last token attends bidirectionally
+    (BertForMaskedLM, BertLMHeadModel with ``is_decoder=False``), which a KV cache cannot serve. A model that
+    cannot run this way (a forward with other inputs) is left to the capture, which says what it needs."""
+    params = next(iter(model.parameters()), None)
+    if params is None or params.device.type == "meta":
+        return
+    vocab = int(getattr(text_config(model), "vocab_size", 0) or 0)
+    if vocab < 2:
+        return
+    ids = (torch.arange(1, _PROBE_TOKENS + 1, device=params.device) % vocab)[None]   # [1, T]
+    changed = ids.clone()
+    changed[0, -1] = (changed[0, -1] + 1) % vocab
+    from .capture import attention_implementation
+
+    model.eval()  # dropout would look like a dependence on later tokens (the capture sets eval() too)
+    try:
+        # With the attention the capture traces (sdpa / eager): a paged or flash implementation set on the
+        # model serves other callers (paged attention without its cache is not causal); the capture warns.
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            with attention_implementation(model):
+                out, out_changed = (model(input_ids=x, use_cache=False) for x in (ids, changed))
+    except Exception:  # noqa: BLE001 - not callable like a causal LM: the capture reports what is missing
+        return
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        kind = type(out).__name__
+        raise UnsupportedModelError(f"{name}: returns {kind} without logits (a base model without an LM head?); "
+                                    f"{ACCEPTED}")
+    earlier, earlier_changed = logits[:, :-1].float(), out_changed.logits[:, :-1].float()
+    scale = float(earlier.abs().max()) or 1.0
+    if float((earlier - earlier_changed).abs().max()) > 1e-3 * scale:
+        hint = (" (its config says is_decoder=False)" if getattr(model.config, "is_decoder", None) is False
+                else "")
+        raise UnsupportedModelError(f"{name}: its attention is bidirectional{hint}: the logits of earlier tokens "
+                                    f"change with a later token, so there is no KV cache to evict from; {ACCEPTED}")
 
 
 def layer_windows(config, name: str = "model") -> tuple[int, ...]:
