@@ -86,7 +86,7 @@ def test_a_run_in_a_checkout_leaves_git_status_clean_and_writes_under_runs(tmp_p
     text = tmp_path / "corpus.txt"
     text.write_text("The soldier walked to the river and sat by the mill. " * 200, encoding="utf-8")
     try:
-        run_cli("eval", "--model", "tiny", "--text", text, "--seq-len", "32", "--batch-size", 1,
+        run_cli("eval", "--model", "tiny", "--text", text, "--seq-len", "64", "--batch-size", 1,
                 "--num-seqs", 0, "--gen-prompt-len", 16, "--gen-new-tokens", 4, "--gen-prompts", 1,
                 "--budget", "0.5", "--policies", "full,h2o", "--compile", "off", cwd=root)
         new = set(runs.iterdir()) - existing
