@@ -7,13 +7,16 @@
 #      every request; transformers' generate with DynamicCache and StaticCache + compile).
 #   5. (STAGES=native) benchmarks/native_cuda_check.py: the native H2OAttention op built with nvcc for sm_90 and
 #      run in onnxruntime-gpu: op level against the reference, native vs function tokens and decode tokens/s.
+#   6. (STAGES=tp) benchmarks/tp_decode.py over NCCL: one process without tp, the tensor-parallel path over a
+#      one-rank NCCL group (the functional all-reduces inside the compiled, CUDA-graph step), and two ranks
+#      when the machine has two GPUs; per-rank state bytes, step time, tokens/s, same tokens -> tp_cuda.{json,md}.
 # It installs nothing from the network: it uses the machine's python (with torch + triton) and imports
 # h2o_compile from this checkout through PYTHONPATH. Everything lands under $OUT (default ./out):
 # env.txt, pytest.log, pytest.xml, bench.log, decode_kernel_micro.json, decode_cuda.{json,md,png}, decode_cuda.log,
-# serve_cuda.{json,md,png}, serve.log.
+# serve_cuda.{json,md,png}, serve.log, tp_cuda.{json,md}, tp.log.
 #
 #   bash benchmarks/gpu_check.sh               # PYTHON=... to pick the interpreter, TEST_TIMEOUT=... seconds
-#   STAGES="decode" bash benchmarks/gpu_check.sh   # a subset of: tests micro decode serve native (default all five)
+#   STAGES="decode" bash benchmarks/gpu_check.sh   # a subset of: tests micro decode serve native tp (default all)
 #
 # On a lent machine with a 10-minute command limit and ~15 minutes of device time, run two commands:
 #   STAGES="decode" (the whole-model benchmark, DECODE_TIMEOUT=420 s, mostly compiling) and then
@@ -37,7 +40,7 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 2
 fi
 
-STAGES="${STAGES:-tests micro decode serve native}"
+STAGES="${STAGES:-tests micro decode serve native tp}"
 tests=0 bench=0 decode=0 serve=0
 if [[ " $STAGES " == *" tests "* ]]; then
   # Kernel compilation dominates the test time: spread it over processes when pytest-xdist is there.
@@ -70,7 +73,17 @@ if [[ " $STAGES " == *" native "* ]]; then
   native=${PIPESTATUS[0]}
 fi
 
-echo "gpu_check: native op exit $native"
+tp=0
+if [[ " $STAGES " == *" tp "* ]]; then
+  TP_CONFIGS="1x1,1x1tp"
+  if [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then TP_CONFIGS="$TP_CONFIGS,2x1"; fi
+  timeout "${TP_TIMEOUT:-300}" "$PY" benchmarks/tp_decode.py --device cuda --compile --configs "$TP_CONFIGS" \
+    --out "$OUT/tp_cuda" 2>&1 | tee "$OUT/tp.log"
+  tp=${PIPESTATUS[0]}
+fi
+
+echo "gpu_check: native op exit $native, tensor-parallel exit $tp"
 echo "gpu_check: pytest exit $tests, kernel benchmark exit $bench, decode benchmark exit $decode," \
   "serve benchmark exit $serve (results in $OUT)"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$decode" -eq 0 ] && [ "$serve" -eq 0 ] && [ "$native" -eq 0 ]
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$decode" -eq 0 ] && [ "$serve" -eq 0 ] && [ "$native" -eq 0 ] \
+  && [ "$tp" -eq 0 ]

@@ -87,6 +87,9 @@ def shard_model(model: nn.Module, tp: Union[bool, dist.ProcessGroup], settings: 
     if getattr(model, "_h2o_tensor_parallel", None) is not None:
         raise ValueError(f"{type(model).__name__} is sharded already ({model._h2o_tensor_parallel}); optimize a "
                          "fresh copy of the model")
+    if getattr(model, "_tp_size", None) not in (None, 1):  # transformers' tp_plan: DTensor weights, config whole
+        raise ValueError(f"{type(model).__name__} was sharded by transformers' tp_plan (tp_size={model._tp_size}); "
+                         "load it without tp_plan and let optimize(..., tp=True) shard it")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     config = text_config(model)
     attentions, mlps = _plan(model, config, world)
