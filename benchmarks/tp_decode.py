@@ -186,6 +186,15 @@ def report(rows: list[dict], args: argparse.Namespace, meta: dict) -> str:
                      f"{row['step_ms']:.2f} ({row['step_ms_p10']:.2f}-{row['step_ms_p90']:.2f}) | "
                      f"{row['tokens_per_s']:.1f} | {row['allreduce_ms_per_step']:.3f} | "
                      f"{row['step_ms'] / base['step_ms']:.2f}x | {row['tokens'] == rows[0]['tokens']} |")
+    single = next((row for row in rows if row["ranks"] == 1 and row["threads"] == 1 and not row["tp"]), None)
+    for row in rows:
+        if row["ranks"] > 1:
+            comm, step = row["allreduce_ms_per_step"], row["step_ms"]
+            whole = f" against {single['step_ms']:.2f} ms for the whole model at one thread (1x1)" if single else ""
+            lines += ["", f"{row['config']}: the step's all-reduces alone take {comm:.2f} ms of its {step:.2f} ms "
+                      f"({100 * comm / step:.0f}%); the rest, {step - comm:.2f} ms, is each rank's share of the "
+                      f"model{whole}; state per rank "
+                      f"{row['state_bytes_per_rank'] / base['state_bytes_per_rank']:.2f}x {base['config']}'s."]
     return "\n".join(lines) + "\n"
 
 
@@ -202,7 +211,7 @@ def main(argv=None) -> int:
         parse_config(c)
     stem = Path(args.out or ("/tmp/tp_decode_smoke/tp" if args.smoke else "docs/results/tp_cpu"))
     stem.parent.mkdir(parents=True, exist_ok=True)
-    meta = dict(command="python benchmarks/tp_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    meta = dict(command=" ".join(["python benchmarks/tp_decode.py", *(sys.argv[1:] if argv is None else argv)]),
                 machine=machine(), load_before=_load())
     rows = []
     for c in configs:
