@@ -206,6 +206,11 @@ def cmd_tasks_merge(args) -> int:
     require("tasks-merge", "matplotlib")
     if args.out is None and len(args.runs) > 1 and not (Path(args.runs[0]) / "tasks.json").is_file():
         args.out, args.runs = args.runs[0], args.runs[1:]  # the older form: tasks-merge OUT RUNS...
+    repeated = sorted({run for run in args.runs if args.runs.count(run) > 1})
+    if repeated:
+        raise ValueError(f"tasks-merge: run folder {repeated[0]!r} given twice; each run is merged once")
+    if args.out is not None and any(Path(run).resolve() == Path(args.out).resolve() for run in args.runs):
+        raise ValueError(f"tasks-merge: --out {args.out!r} is one of the runs; merging would overwrite it")
     args.out = args.out or str(default_out("tasks-merge"))
     from .task_merge import merge_task_runs
 

@@ -110,7 +110,7 @@ def test_cli_export_op_native_then_generate_native(model_dir, tmp_path, capsys):
                  "--op", "native"]) == 0
     capsys.readouterr()
     prompt = "w3 w9 w27 w81 w50 w12 w1 w8 w64 w30"
-    assert main(["generate", str(out), "--backend", "onnx", "--native", "--prompt", prompt,
+    assert main(["generate", "--model", str(out), "--backend", "onnx", "--native", "--prompt", prompt,
                  "--max-new-tokens", "8"]) == 0
     printed = capsys.readouterr().out
     assert "native op" in printed

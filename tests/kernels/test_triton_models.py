@@ -22,14 +22,16 @@ FULL, SLIDING = dict(capacity=16, recent=8), dict(capacity=7, recent=4)  # globa
 
 @pytest.fixture
 def triton_backend(triton_device, monkeypatch):
-    """The Triton backend forced, and the reference op's in-place entry point made to fail, so a model that
-    fell back to the reference path could not pass."""
+    """The Triton backend forced, and the reference op's torch attention (prompt block and decode step) made
+    to fail, so a model whose attention fell back to the reference path could not pass. The reference's
+    scoring and eviction code still runs: the Triton backend shares it (kernels/triton_ops.py)."""
     monkeypatch.setenv("H2O_COMPILE_BACKEND", "triton")
 
     def not_the_reference(*args, **kwargs):
-        raise AssertionError("the reference op ran where the Triton backend was forced")
+        raise AssertionError("the reference attention ran where the Triton backend was forced")
 
-    monkeypatch.setattr(reference, "h2o_attention_", not_the_reference)
+    monkeypatch.setattr(reference, "attend", not_the_reference)
+    monkeypatch.setattr(reference, "attend_decode", not_the_reference)
     return triton_device
 
 

@@ -83,12 +83,11 @@ def test_bad_capped_settings_are_named(kwargs, match):
 
 
 def test_an_export_switching_a_capped_model_to_rank_numbering_drops_its_cap():
-    from h2o_compile.export.onnx import _UNSET, _resolve_config
+    from h2o_compile.export.onnx import _resolve_config
 
     opt = h2o_compile.optimize(build("llama"), budget=8, positions="capped", max_distance=10, compile=False)
-    unset = [_UNSET] * 6
-    _, same = _resolve_config(opt, *unset)
-    _, switched = _resolve_config(opt, *unset, positions="rolling")
+    _, same = _resolve_config(opt, None, {})
+    _, switched = _resolve_config(opt, None, {"positions": "rolling"})
     assert (same.positions, same.max_distance) == ("capped", 10)
     assert (switched.positions, switched.max_distance) == ("rolling", None)
 
