@@ -125,6 +125,23 @@ class CausalLMInterface:
             for name, value in saved.items():
                 setattr(self, name, value)
 
+    # -- continuous batching ------------------------------------------------------------------------------
+
+    def generate_batch(self, inputs, generation_config=None, **kwargs):
+        """transformers' ``generate_batch``: every prompt of ``inputs`` (lists of token ids) through continuous
+        batching over fixed H2O rows; {request id: GenerationOutput} in the order of ``inputs``. Arguments:
+        :func:`h2o_compile.continuous_batching.generate_batch`."""
+        from .continuous_batching import generate_batch
+
+        return generate_batch(self, inputs, generation_config, **kwargs)
+
+    def init_continuous_batching(self, generation_config=None, **kwargs):
+        """transformers' ``init_continuous_batching``: a manager for a live stream (``add_request``, ``start``,
+        ``get_result``, ``stop``); arguments: :class:`h2o_compile.continuous_batching.ContinuousBatchingManager`."""
+        from .continuous_batching import ContinuousBatchingManager
+
+        return ContinuousBatchingManager(self, generation_config, **kwargs)
+
     # -- saving and loading --------------------------------------------------------------------------------
 
     def save_pretrained(self, save_directory: Union[str, os.PathLike], **kwargs) -> Path:

@@ -208,8 +208,8 @@ class H2OModel(CausalLMInterface, nn.Module):
     def _eager_decode_step(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor) -> Tensor:
         """The eager one-token step on CPU: its linear layers through the native ``rows_linear`` where it is built
         (kernels/native_cpu.py), else, with two rows or more, as ``weight @ x^T`` (passes/weight_major_linear.py;
-        docs/results/eager_decode_layout_cpu.md: 1.5-1.9x faster a step at batch 2 on kvbound); a single row
-        then keeps ``aten.linear``, where three runs found no consistent difference."""
+        faster at batch >= 2, docs/results/eager_decode_layout_cpu.md); a single row then keeps ``aten.linear``,
+        where the measured runs found no consistent difference."""
         native = native_cpu.available()
         if input_ids.shape[0] == 1 and not native:
             return self._run_graph(input_ids, positions, valid, *state)

@@ -109,7 +109,8 @@ def left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, t
     return ids, mask
 
 
-def load_model(name: str, device: str):
+def load_model(name: str, device: str, keep_eos: bool = False):
+    """The named model in eval mode; without ``keep_eos`` its generation stops only at max_new_tokens."""
     if name == "gemma3-270m":
         from ..zoo import load_gemma3_270m
 
@@ -118,7 +119,8 @@ def load_model(name: str, device: str):
         from .decode import build_model
 
         model = build_model(name)
-    model.generation_config.eos_token_id = None  # a fixed amount of work per request: no early stop
+    if not keep_eos:
+        model.generation_config.eos_token_id = None  # a fixed amount of work per request: no early stop
     return model.to(device).eval()
 
 

@@ -133,7 +133,7 @@ def test_sampling_with_a_seed_per_request_equals_each_alone(optimized, monkeypat
               for n, s in zip([12, 7, 15, 10, 9], [11, 12, 13, 14, 15])]
     expected = [_alone(alone, p, k) for p, k in zip(prompts, kwargs)]
     opt = optimized(10)
-    manager = cb.ContinuousBatchingManager(opt, max_batch_size=2)
+    manager = opt.init_continuous_batching(max_batch_size=2)
     torch.manual_seed(999)  # the global generator is not what the requests draw from
     results = _serve(manager, {0: [(p, k) for p, k in zip(prompts[:3], kwargs[:3])],
                                3: [(prompts[3], kwargs[3])], 6: [(prompts[4], kwargs[4])]}, {}, monkeypatch)
@@ -144,8 +144,7 @@ def test_generate_batch_returns_transformers_outputs_in_input_order(optimized):
     opt = optimized(8)
     alone = optimized(8)
     prompts = _prompts([30, 4, 17, 9], seed=2)
-    results = cb.generate_batch(opt, prompts, max_new_tokens=6, max_batch_size=2,
-                                record_timestamps=True)
+    results = opt.generate_batch(prompts, max_new_tokens=6, max_batch_size=2, record_timestamps=True)
     from transformers.generation.continuous_batching.requests import GenerationOutput
 
     assert list(results) == ["req_0", "req_1", "req_2", "req_3"]
@@ -153,7 +152,7 @@ def test_generate_batch_returns_transformers_outputs_in_input_order(optimized):
         assert isinstance(out, GenerationOutput) and out.request_id == rid and out.prompt_ids == prompt
         assert out.generated_tokens == _alone(alone, prompt, dict(max_new_tokens=6))[0]
         assert len(out.timestamps) == 6 and out.lifespan[0] <= out.timestamps[0] <= out.lifespan[1]
-    assert cb.generate_batch(opt, []) == {}
+    assert opt.generate_batch([]) == {}
 
 
 def test_a_float_budget_sizes_rows_from_max_seq_len(optimized):
