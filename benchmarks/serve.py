@@ -18,14 +18,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from h2o_compile.arguments import csv_of  # noqa: E402
-from h2o_compile.bench.serve import (CONTENDERS, DEFAULT_TARGETS, INDUCTOR_CACHES, MODELS, ServeSettings,  # noqa: E402
+from h2o_compile.bench.serve import (CONTENDERS, DEFAULT_TARGETS, INDUCTOR_CACHES, ServeSettings,  # noqa: E402
                                      plot_serve, run_serve, serve_report)
 from h2o_compile.reporting import command_line, machine_description, write_json  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="kvbound", choices=MODELS)
+    p.add_argument("--model", default="kvbound", help="kvbound or smoke (random Llamas), tiny, gemma3-270m, "
+                   "or a local model folder / .gguf file")
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-min", type=int, default=64)
     p.add_argument("--prompt-max", type=int, default=3000)

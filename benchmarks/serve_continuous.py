@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from h2o_compile.bench.serve_continuous import (CONTENDERS, MODELS, ContinuousSettings,  # noqa: E402
+from h2o_compile.bench.serve_continuous import (CONTENDERS, ContinuousSettings,  # noqa: E402
                                                 continuous_report, plot_continuous, run_continuous)
 from h2o_compile.reporting import command_line, machine_description, write_json  # noqa: E402
 
@@ -25,7 +25,8 @@ from h2o_compile.reporting import command_line, machine_description, write_json 
 def main(argv=None) -> int:
     defaults = ContinuousSettings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="kvbound", choices=MODELS)
+    p.add_argument("--model", default="kvbound", help="kvbound or smoke (random Llamas), tiny, gemma3-270m, "
+                   "or a local model folder / .gguf file")
     for name in ("requests", "prompt_min", "prompt_max", "new_min", "new_max", "rows", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     p.add_argument("--rate", type=float, default=defaults.rate, help="arrivals per second")

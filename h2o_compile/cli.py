@@ -145,7 +145,8 @@ def cmd_bench(args) -> int:
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="decode tokens/s, latency, memory vs transformers' caches + roofline")
     bench.add_argument("--model", "--models", dest="models", type=csv_of(str), default=["tiny", "kvbound"],
-                       help="benchmark models, comma-separated: tiny, kvbound (a KV-bound random Llama), smoke")
+                       help="models, comma-separated: kvbound (a KV-bound random Llama), smoke, a shipped "
+                            "model (tiny, gemma3-270m), a local folder or a .gguf file")
     bench.add_argument("--batches", type=csv_of(int), default=[1, 8])
     bench.add_argument("--totals", type=csv_of(int), default=[1024, 4096], help="prompt + generated tokens")
     bench.add_argument("--budget", "--budgets", dest="budgets", type=csv_of(float), default=[0.1, 0.2, 0.5],

@@ -72,9 +72,13 @@ class BenchSettings:
     retries: int = 2
 
     def __post_init__(self):
-        bad = [m for m in self.models if m not in MODEL_NAMES]
-        if bad or not self.models:
-            raise ValueError(f"models={self.models}; choose from {', '.join(MODEL_NAMES)}")
+        if not self.models:
+            raise ValueError("models=[]: give at least one model")
+        for name in self.models:
+            try:
+                check_model_name(name)
+            except ValueError as err:
+                raise ValueError(f"models={self.models}: {err}") from None
         for name in ("batches", "totals"):
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
@@ -87,12 +91,24 @@ class BenchSettings:
             raise ValueError(f"steps={self.steps} must be at most half the smallest total {min(self.totals)}")
 
 
-def build_model(name: str, seed: int = 0) -> nn.Module:
-    """``tiny`` (the shipped model; FileNotFoundError if not trained yet), ``kvbound`` or ``smoke`` (random)."""
-    if name == "tiny":
-        from ..zoo import load_tiny
+def check_model_name(name: str) -> None:
+    """ValueError unless ``name`` is a random benchmark model (MODEL_NAMES), a shipped model or a local path."""
+    from pathlib import Path
 
-        return load_tiny()[0]
+    from ..zoo import MODELS
+
+    if name not in MODEL_NAMES and name not in MODELS and not Path(name).exists():
+        raise ValueError(f"model={name!r}: choose from {', '.join(sorted({*MODEL_NAMES, *MODELS}))}, or give a "
+                         "local model folder or .gguf file")
+
+
+def build_model(name: str, seed: int = 0) -> nn.Module:
+    """``kvbound`` or ``smoke`` (random Llamas, seeded), else what ``--model`` loads everywhere: a shipped model
+    (``tiny``, ``gemma3-270m``), a local folder or a .gguf file (zoo/loading.py)."""
+    if name not in ("kvbound", "smoke"):
+        from ..zoo.loading import load_local
+
+        return load_local(name)[0]
     import transformers
 
     config = transformers.LlamaConfig(**(KVBOUND if name == "kvbound" else SMOKE), initializer_range=0.05)

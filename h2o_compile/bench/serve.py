@@ -31,12 +31,13 @@ from pathlib import Path
 
 import torch
 
+from .decode import build_model, check_model_name
+
 CONTENDERS = ("h2o-compiled", "h2o-compiled-by-layer", "h2o-max-autotune", "h2o-eager", "hf-dynamic",
               "hf-static-compile")
 _H2O_COMPILE = {"h2o-compiled": True, "h2o-compiled-by-layer": True, "h2o-max-autotune": "max-autotune",
                 "h2o-eager": False}
 _COMPILED_H2O = tuple(name for name, compile in _H2O_COMPILE.items() if compile)  # the rows the targets are for
-MODELS = ("kvbound", "gemma3-270m", "smoke")
 COMPILING = (*_COMPILED_H2O, "hf-static-compile")  # the contenders a warm Inductor cache can speed up
 INDUCTOR_CACHES = ("cold", "warm")
 
@@ -59,8 +60,7 @@ class ServeSettings:
     inductor_cache: str = "cold"  # "warm": a compiling contender is measured on its second run (module docstring)
 
     def __post_init__(self):
-        if self.model not in MODELS:
-            raise ValueError(f"model={self.model!r}; choose from {', '.join(MODELS)}")
+        check_model_name(self.model)
         bad = [c for c in self.contenders if c not in CONTENDERS]
         if bad or not self.contenders:
             raise ValueError(f"contenders={self.contenders}; choose from {', '.join(CONTENDERS)}")
@@ -110,15 +110,9 @@ def left_pad(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, t
 
 
 def load_model(name: str, device: str, keep_eos: bool = False):
-    """The named model in eval mode; without ``keep_eos`` its generation stops only at max_new_tokens."""
-    if name == "gemma3-270m":
-        from ..zoo import load_gemma3_270m
-
-        model = load_gemma3_270m()[0]
-    else:
-        from .decode import build_model
-
-        model = build_model(name)
+    """The named model (bench/decode.py's ``build_model``) in eval mode; without ``keep_eos`` its generation
+    stops only at max_new_tokens."""
+    model = build_model(name)
     if not keep_eos:
         model.generation_config.eos_token_id = None  # a fixed amount of work per request: no early stop
     return model.to(device).eval()

@@ -37,7 +37,6 @@ from pathlib import Path
 import torch
 
 CONTENDERS = ("h2o-continuous", "h2o-groups", "hf-continuous", "hf-groups")
-MODELS = ("kvbound", "gemma3-270m", "smoke")
 
 
 @dataclass
@@ -56,8 +55,9 @@ class ContinuousSettings:
     contenders: list = field(default_factory=lambda: list(CONTENDERS))
 
     def __post_init__(self):
-        if self.model not in MODELS:
-            raise ValueError(f"model={self.model!r}; choose from {', '.join(MODELS)}")
+        from .decode import check_model_name
+
+        check_model_name(self.model)
         bad = [c for c in self.contenders if c not in CONTENDERS]
         if bad or not self.contenders:
             raise ValueError(f"contenders={self.contenders}; choose from {', '.join(CONTENDERS)}")

@@ -3,7 +3,7 @@
 A one-token decode step multiplies a few rows (the batch) by every weight matrix: ``x @ W^T`` with x [B, in]
 and W [out, in]. Called that way (``aten.linear`` -> ``mm(x, W.t())``), the CPU GEMM of torch 2.13 reads the
 weights at a fraction of memory speed (our reading: it packs the large transposed operand on each call); the
-same product as ``W @ x^T`` (the weight as the left operand) does not. ``benchmarks/linear_layout.py``
+same product as ``W @ x^T`` (the weight as the left operand) does not. ``research/linear_layout.py``
 measures both forms over row counts (docs/results/linear_layout_cpu.md).
 
 Only for the one-token step on CPU (``backends.decode_step_graph``, ``H2OModel._eager_decode_step``): the

@@ -42,6 +42,16 @@ def test_bad_settings_name_the_value(bad, match):
         ServeSettings(**bad)
 
 
+def test_any_local_model_is_served(model_dir):
+    from h2o_compile.bench.serve import load_model
+
+    settings = ServeSettings(model=str(model_dir))
+    model = load_model(settings.model, "cpu")
+    assert model.config.vocab_size == 96 and model.generation_config.eos_token_id is None
+    with pytest.raises(ValueError, match="or give a local model folder"):
+        ServeSettings(model=str(model_dir / "missing"))
+
+
 @pytest.mark.parametrize("contender", ["h2o-eager", "hf-dynamic"])
 def test_a_contender_serves_the_whole_stream(contender):
     settings = ServeSettings(model="smoke", requests=5, prompt_min=12, prompt_max=60, new_tokens=4, max_batch=3,

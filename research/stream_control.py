@@ -6,7 +6,7 @@ configuration again on the stream's last 2W tokens only (W = the window size), f
 tokens fill the cache, the second W are the stream's last window, now read after a history of W tokens instead
 of the whole stream. Writes control.json and control.md next to stream.json.
 
-    python benchmarks/stream_control.py docs/results/stream/tiny_1m --model tiny \\
+    python research/stream_control.py docs/results/stream/tiny_1m --model tiny \\
         --text ../shared/data/books/war_and_peace.txt ../shared/data/wikitext-2/test.txt ...
 """
 

@@ -6,7 +6,7 @@ folder and ``field=value`` filters on its rows (the row fields of tasks.json: ta
 recent_ratio, ...). Prints each side's count, the sample indices where A scores above or below B, and the same
 on every ``--every``-th sample (the kvpress comparison ran on indices 0, 5, ..., 45 of the 50):
 
-    python benchmarks/task_prompt_diff.py \\
+    python research/task_prompt_diff.py \\
         docs/results/tasks_gemma3/passkey4096_50_peak task=passkey budget=0.1 \\
         --against docs/results/tasks_gemma3/passkey4096_50_b0.1_0.5_decay task=passkey budget=0.1 --every 5
 """

@@ -7,8 +7,8 @@ two-pass path runs a second q.k product per chunk of queries (exp, column sums) 
 each query tile's probabilities in cache for both the output and the column sums. This script puts a number on
 both for one layer's shapes (the KV-bound model: 8 heads of 64, no GQA):
 
-    python benchmarks/prefill_mass_cost.py                       # T = 4080, batch 1, 8 heads of 64
-    python benchmarks/prefill_mass_cost.py --length 1024 --batch 8 --out /tmp/mass.json
+    python research/prefill_mass_cost.py                       # T = 4080, batch 1, 8 heads of 64
+    python research/prefill_mass_cost.py --length 1024 --batch 8 --out /tmp/mass.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Eviction rules tried outside the library: ``h2o-compile`` (usually ``eval``) with one rule patched into the
 torch bookkeeping, to learn whether a rule earns a place in every backend before it is built there.
 
-    python benchmarks/score_rule_probes.py --probe value-norm -- eval --model gemma3-270m --budgets 0.2 ...
+    python research/score_rule_probes.py --probe value-norm -- eval --model gemma3-270m --budgets 0.2 ...
 
 Probes (each changes what policy ``h2o`` computes; every other argument means what it means to the CLI):
 

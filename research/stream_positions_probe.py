@@ -9,7 +9,7 @@ themselves is lost, their distance is one the model was trained on). It was the 
 library's ``positions="capped"`` (kernels/rolling.py, every backend), which numbers keys the same way from the
 block's true positions; the probe is kept because the results it wrote (docs/results/stream) cite it.
 
-    python benchmarks/stream_positions_probe.py --model gemma3-270m \\
+    python research/stream_positions_probe.py --model gemma3-270m \\
         --text ../shared/data/books/war_and_peace.txt --tokens 65536 --budget-slots 1024 --chunk 128 \\
         --max-distance 16384 --out docs/results/stream/gemma3_64k_capped16384
 
@@ -109,7 +109,7 @@ def main() -> None:
 
 def probe_note(max_distance: int) -> str:
     """What the shared stream report cannot say: its "rolling positions" rows ran with this probe's numbering."""
-    return (f"> Probe (benchmarks/stream_positions_probe.py): the rows labelled \"rolling positions\" ran with every "
+    return (f"> Probe (research/stream_positions_probe.py): the rows labelled \"rolling positions\" ran with every "
             f"key at its true distance to the block's last query, capped at {max_distance:,}, not at its rank.\n\n")
 
 

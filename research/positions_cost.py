@@ -6,9 +6,9 @@ that cost where a stream pays it: one step of T tokens after the cache is full, 
 one process, median of ``--repeats``. Eager by default (how streams and CPU generate run); ``--compile`` times
 the compiled decode step instead (T = 1 only: the step torch.compile serves).
 
-    python benchmarks/positions_cost.py --model gemma3-270m --budget-slots 1024 --tokens 1,128 \\
+    python research/positions_cost.py --model gemma3-270m --budget-slots 1024 --tokens 1,128 \\
         --out docs/results/stream/positions_cost
-    python benchmarks/positions_cost.py --model gemma3-270m --budget-slots 1024 --tokens 1 --compile \\
+    python research/positions_cost.py --model gemma3-270m --budget-slots 1024 --tokens 1 --compile \\
         --out docs/results/stream/positions_cost_compiled
 
 Writes positions_cost.json and .md (command and machine included).

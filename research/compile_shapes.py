@@ -4,8 +4,8 @@ For a few (batch, total) shapes of the KV-bound model, on the same cache: the de
 H2OModel's compiled step (one graph, batch and cache slots dynamic) against a step compiled for that exact
 shape (what a bucketed design compiles once per bucket), and what each compile costs.
 
-    python benchmarks/compile_shapes.py            # -> docs/results/compile_shapes.{json,md}
-    python benchmarks/compile_shapes.py --smoke    # the smoke model, seconds, output under /tmp
+    python research/compile_shapes.py            # -> docs/results/compile_shapes.{json,md}
+    python research/compile_shapes.py --smoke    # the smoke model, seconds, output under /tmp
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (passes/weight_major_linear.py), same process, alternating, on the kvbound model's H2O cache (budget 0.2):
 the measurement behind H2OModel's eager step taking the rewrite from two rows on.
 
-    python benchmarks/eager_decode_layout.py --out docs/results/eager_decode_layout_cpu.json
+    python research/eager_decode_layout.py --out docs/results/eager_decode_layout_cpu.json
 """
 
 from __future__ import annotations

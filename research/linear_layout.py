@@ -3,7 +3,7 @@ weight matrices of [out, in] (more bytes than the caches hold, as a model's laye
 ``mm(x, W.t())`` (how linear layers are called) and as ``W @ x.t()`` (passes/weight_major_linear.py), against a
 plain sum over the same bytes. The measurement behind the weight-major rewrite of the compiled CPU decode step:
 
-    python benchmarks/linear_layout.py --out docs/results/linear_layout_cpu.json
+    python research/linear_layout.py --out docs/results/linear_layout_cpu.json
 """
 
 from __future__ import annotations

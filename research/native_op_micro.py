@@ -1,6 +1,6 @@
 """One H2OAttention decode call in ONNX Runtime: the inlined ONNX function vs the native custom op.
 
-    python benchmarks/native_op_micro.py [--batch 1 8] [--slots 410]
+    python research/native_op_micro.py [--batch 1 8] [--slots 410]
 
 A one-node model (the node of tests/export/test_onnx_function.py) with a full cache of C slots, Hq = Hkv = 8,
 head dim 64 (the layer of benchmarks/onnx_decode.py at 2k context, budget 0.2), bound with IO binding so no

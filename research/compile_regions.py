@@ -1,7 +1,7 @@
 """The compiled CPU decode step, compiled whole or one decoder layer at a time (``regional_compile=True``): the
 cold compile in fresh processes, and the step time after it in one process, both variants side by side:
 
-    python benchmarks/compile_regions.py --models kvbound,gemma3-270m --out docs/results/compile_regions_cpu
+    python research/compile_regions.py --models kvbound,gemma3-270m --out docs/results/compile_regions_cpu
 
 Cold: per model and variant (alternating, ``--repeats`` times), a fresh process with an empty Inductor cache
 times its first decode step (Dynamo + Inductor + the C++ compiler; the prompt's eager prefill excluded) and
@@ -161,7 +161,7 @@ def main() -> None:
         row = run_child(args, *run, fresh_cache=run[0] == "cold")
         (cold_rows if run[0] == "cold" else step_rows).append(row)
         tqdm.write(json.dumps(row))
-    command = "python benchmarks/compile_regions.py " + " ".join(sys.argv[1:])
+    command = "python research/compile_regions.py " + " ".join(sys.argv[1:])
     text = markdown(cold_rows, step_rows, command, machine_description(), args.threads)
     print(text)
     if args.out:

@@ -27,7 +27,7 @@ then the cache is cut back to C, as docs/design.md section 2 orders a decode ste
                 rules are from what a good choice of C keys could give (not a proof of optimality:
                 the attention with the kept keys differs from the full cache's)
 
-    python benchmarks/global_layer_oracle.py --text ../shared/data/wikitext-2/test.txt --tail 0.5 \
+    python research/global_layer_oracle.py --text ../shared/data/wikitext-2/test.txt --tail 0.5 \
         --capacities 205,308,410 --out docs/results/eval_gemma3/probes/global_oracle
 
 Results: docs/results/eval_gemma3/probes/README.md.
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
             for (name, capacity), total in nll.items()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"command": "python benchmarks/global_layer_oracle.py " + " ".join(argv or sys.argv[1:]),
+    report = {"command": "python research/global_layer_oracle.py " + " ".join(argv or sys.argv[1:]),
               "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
                          f"{torch.get_num_threads()} threads", "full_attention_layers": full_layers,
               "windows": len(seqs), "tokens_scored": tokens, "recent": args.recent,
