@@ -1,4 +1,5 @@
-"""Capture a Hugging Face causal LM as an FX graph: torch.export (non-strict), use_cache=False, dynamic shapes.
+"""Capture a Hugging Face causal LM as an FX graph: torch.export (non-strict), use_cache=False, dynamic shapes;
+``build_graph`` then rewrites its attention into H2O ops (the graph every backend runs or exports).
 
 The captured graph computes ``logits = model(input_ids, position_ids)`` for a whole block of tokens with the
 model's own attention (SDPA or eager). The attention pass then turns it into H2O attention over explicit
@@ -8,10 +9,16 @@ per-layer state. Weights are shared with the user's model, not copied.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
+from typing import Optional
 
 import torch
 from torch import nn
+
+from .config import H2OConfig
+from .passes import find_attention_sites, find_rotary, move_rotary_into_ops, rewrite_attention
+from .support import ModelLimits, UnsupportedModelError, check_supported
 
 _ATTN_IMPLS = ("sdpa", "eager")
 
@@ -88,3 +95,50 @@ def _flatten_calling_convention(gm: torch.fx.GraphModule) -> None:
     (result,) = torch.utils._pytree.tree_leaves(output.args)
     output.args = (result,)
     gm.recompile()
+
+
+def build_graph(model: nn.Module, *, functional: bool = False, positions: str = "true", quantized: bool = False,
+                max_distance: Optional[int] = None):
+    """Capture ``model`` and rewrite its attention; returns (graph, layer specs, limits).
+    ``quantized``: int8 kept entries (H2OConfig.kv_dtype), two scale tensors more per layer in the state.
+
+    ``positions="rolling"`` or ``"capped"`` also moves every layer's rotary embedding into its h2o op
+    (passes.move_rotary_into_ops; ``max_distance`` as H2OConfig's); a model without rotary embeddings raises
+    UnsupportedModelError."""
+    limits = check_supported(model)
+    capped = H2OConfig(positions=positions, max_distance=max_distance)
+    if limits.max_positions is not None:
+        capped.position_cap(limits.max_positions)  # a cap beyond the model's positions fails before the capture
+    graph = capture(model)
+    sites, declines = find_attention_sites(graph.graph)
+    name = type(model).__name__
+    if declines:
+        raise UnsupportedModelError(f"{name}: cannot serve these attention sites: " + "; ".join(map(str, declines)))
+    if len(sites) != limits.num_layers:
+        raise UnsupportedModelError(
+            f"{name}: found {len(sites)} attention sites for {limits.num_layers} layers; supported patterns are "
+            "aten.scaled_dot_product_attention (with or without repeat_kv / enable_gqa) and eager "
+            "matmul -> softmax -> matmul")
+    check_layer_kinds(name, sites, limits)
+    layers = rewrite_attention(graph, sites, functional=functional, windows=limits.windows, quantized=quantized)
+    _, not_rotary = find_rotary(graph)
+    limits = dataclasses.replace(limits, rotary=not not_rotary)
+    if positions != "true":
+        if not_rotary:
+            raise UnsupportedModelError(f"{name}: positions={positions!r} needs rotary position embeddings on every "
+                                        "layer, to rotate keys at attention time; " + "; ".join(not_rotary))
+        move_rotary_into_ops(graph, capped.position_cap(limits.max_positions))
+    return graph, layers, limits
+
+
+def check_layer_kinds(name: str, sites, limits: ModelLimits) -> None:
+    """The config's per-layer settings apply to the site of that layer: sites must come in layer order (where
+    the graph records the module path), and the soft-cap the graph shows must be the config's."""
+    for i, site in enumerate(sites):
+        if site.layer is not None and site.layer != i:
+            raise UnsupportedModelError(f"{name}: attention site {i} ({site.node.name}) was traced in layer "
+                                        f"{site.layer}; cannot match the config's per-layer attention kinds")
+        if abs(site.softcap - limits.softcap) > 1e-6 * max(1.0, limits.softcap):
+            raise UnsupportedModelError(
+                f"{name}: layer {i} ({site.node.name}) soft-caps its logits at {site.softcap or 'none'} but the "
+                f"config says attn_logit_softcapping={limits.softcap or None}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import Optional, Union
 
@@ -10,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from . import generation
-from .capture import capture
+from .capture import build_graph
 from .compiling import check_compile, check_regional_compile, compile_step, compile_step_by_layer, freezes_weights
 from .backends import backend_for, check_served, decode_step_graph
 from .cache_plan import CachePlan
@@ -18,12 +17,10 @@ from .config import H2OConfig
 from .hf_interface import CausalLMInterface, register_for_pipelines
 from .kernels import native_cpu
 from .presets import PRESET_OPTIONS
-from .passes import (LayerSpec, cache_rotary_tables, find_attention_sites, find_rotary,
-                     last_position_logits, move_rotary_into_ops, rewrite_attention, runtime_recent_graph,
+from .passes import (LayerSpec, cache_rotary_tables, last_position_logits, runtime_recent_graph,
                      set_h2o_params, state_names, weight_major_linears)
 from .passes.h2o_attention import copy_graph_module
-from .support import (ModelLimits, UnsupportedModelError, check_capped_fits, check_rolling_fits, check_supported,
-                      text_config)
+from .support import ModelLimits, check_capped_fits, check_rolling_fits, text_config
 
 
 def _positive_ints(name: str, values) -> list[int]:
@@ -348,53 +345,6 @@ class H2OModel(CausalLMInterface, nn.Module):
         """
         return generation.generate(self, input_ids, attention_mask, generation_config, logits_processor,
                                    stopping_criteria, streamer, **kwargs)
-
-
-def build_graph(model: nn.Module, *, functional: bool = False, positions: str = "true", quantized: bool = False,
-                max_distance: Optional[int] = None):
-    """Capture ``model`` and rewrite its attention; returns (graph, layer specs, limits).
-    ``quantized``: int8 kept entries (H2OConfig.kv_dtype), two scale tensors more per layer in the state.
-
-    ``positions="rolling"`` or ``"capped"`` also moves every layer's rotary embedding into its h2o op
-    (passes.move_rotary_into_ops; ``max_distance`` as H2OConfig's); a model without rotary embeddings raises
-    UnsupportedModelError."""
-    limits = check_supported(model)
-    capped = H2OConfig(positions=positions, max_distance=max_distance)
-    if limits.max_positions is not None:
-        capped.position_cap(limits.max_positions)  # a cap beyond the model's positions fails before the capture
-    graph = capture(model)
-    sites, declines = find_attention_sites(graph.graph)
-    name = type(model).__name__
-    if declines:
-        raise UnsupportedModelError(f"{name}: cannot serve these attention sites: " + "; ".join(map(str, declines)))
-    if len(sites) != limits.num_layers:
-        raise UnsupportedModelError(
-            f"{name}: found {len(sites)} attention sites for {limits.num_layers} layers; supported patterns are "
-            "aten.scaled_dot_product_attention (with or without repeat_kv / enable_gqa) and eager "
-            "matmul -> softmax -> matmul")
-    check_layer_kinds(name, sites, limits)
-    layers = rewrite_attention(graph, sites, functional=functional, windows=limits.windows, quantized=quantized)
-    _, not_rotary = find_rotary(graph)
-    limits = dataclasses.replace(limits, rotary=not not_rotary)
-    if positions != "true":
-        if not_rotary:
-            raise UnsupportedModelError(f"{name}: positions={positions!r} needs rotary position embeddings on every "
-                                        "layer, to rotate keys at attention time; " + "; ".join(not_rotary))
-        move_rotary_into_ops(graph, capped.position_cap(limits.max_positions))
-    return graph, layers, limits
-
-
-def check_layer_kinds(name: str, sites, limits: ModelLimits) -> None:
-    """The config's per-layer settings apply to the site of that layer: sites must come in layer order (where
-    the graph records the module path), and the soft-cap the graph shows must be the config's."""
-    for i, site in enumerate(sites):
-        if site.layer is not None and site.layer != i:
-            raise UnsupportedModelError(f"{name}: attention site {i} ({site.node.name}) was traced in layer "
-                                        f"{site.layer}; cannot match the config's per-layer attention kinds")
-        if abs(site.softcap - limits.softcap) > 1e-6 * max(1.0, limits.softcap):
-            raise UnsupportedModelError(
-                f"{name}: layer {i} ({site.node.name}) soft-caps its logits at {site.softcap or 'none'} but the "
-                f"config says attn_logit_softcapping={limits.softcap or None}")
 
 
 def optimize(model: nn.Module, budget: Union[float, int, None] = None, *, config: Union[H2OConfig, str, None] = None,

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ..backends import check_served
+from ..capture import build_graph
 from ..cache_plan import CachePlan
 from ..config import H2OConfig
 from ..kernels.rules import POLICY_CODES, parse_rule
@@ -146,7 +147,6 @@ def export_onnx(model, out_dir: str | os.PathLike, *, config=None, max_seq_len: 
     Returns:
         ``out_dir`` as a Path. Raises ValueError for bad arguments, before anything is written.
     """
-    from ..runtime import build_graph  # runtime imports export lazily via the package; avoid a cycle
 
     hf_model, config = _resolve_config(model, config, options)
     _check_op(op, config)
