@@ -142,6 +142,8 @@ def _h2o_continuous(model, stream, s, on_first_done):
 def _hf_continuous(model, stream, s, on_first_done):
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
+    # Pages for every row's longest request (no preemption, as H2O's fixed rows), and a step's token budget that
+    # takes a whole prompt at once (as H2O's admission prefills it whole).
     pages = math.ceil(s.max_seq_len / 256) + 1
     config = ContinuousBatchingConfig(max_requests_per_batch=s.rows, num_blocks=s.rows * pages,
                                       max_batch_tokens=max(s.prompt_max, 256))
