@@ -20,7 +20,7 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 # processes of one torch thread each (pytest-xdist), a file per worker, so module fixtures are built once.
 TEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=30; status=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30; status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
 
 demo: venv

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="the H2O contenders eager")
     p.add_argument("--contenders", default=",".join(CONTENDERS))
     p.add_argument("--smoke", action="store_true", help="smoke model, 6 short requests, output under /tmp")
-    p.add_argument("--out", help="output prefix (default docs/results/serve_continuous_cpu[_gemma3])")
+    p.add_argument("--out", help="output prefix (default docs/results/serve_continuous_cpu[_MODEL])")
     p.add_argument("--from-json", help="only rewrite the markdown and plot of an earlier run's JSON")
     args = p.parse_args(argv)
     settings = {name: getattr(args, name) for name in ("model", "requests", "prompt_min", "prompt_max", "new_min",
@@ -46,8 +46,8 @@ def main(argv=None) -> int:
         settings = ContinuousSettings(**settings)
     except ValueError as err:
         p.error(str(err))
-    default = "/tmp/serve_continuous_smoke" if args.smoke else (
-        "docs/results/serve_continuous_cpu" + ("_gemma3" if args.model == "gemma3-270m" else ""))
+    suffix = {"kvbound": "", "gemma3-270m": "_gemma3"}.get(args.model, "_" + Path(args.model).stem)
+    default = "/tmp/serve_continuous_smoke" if args.smoke else "docs/results/serve_continuous_cpu" + suffix
     prefix = Path(args.out or ROOT / default)
     if args.from_json:
         prefix = Path(args.from_json).with_suffix("")

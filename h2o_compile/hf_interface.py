@@ -135,11 +135,17 @@ class CausalLMInterface:
 
         return generate_batch(self, inputs, generation_config, **kwargs)
 
-    def init_continuous_batching(self, generation_config=None, **kwargs):
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None, workload_hints=None,
+                                 **kwargs):
         """transformers' ``init_continuous_batching``: a manager for a live stream (``add_request``, ``start``,
-        ``get_result``, ``stop``); arguments: :class:`h2o_compile.continuous_batching.ContinuousBatchingManager`."""
+        ``get_result``, ``stop``). ``continuous_batching_config``: only its ``max_requests_per_batch`` is read
+        (the rows, unless ``max_batch_size`` is given); ``workload_hints`` size paged caches and are ignored.
+        Other arguments: :class:`h2o_compile.continuous_batching.ContinuousBatchingManager`."""
         from .continuous_batching import ContinuousBatchingManager
 
+        rows = getattr(continuous_batching_config, "max_requests_per_batch", None)
+        if rows is not None:
+            kwargs.setdefault("max_batch_size", rows)
         return ContinuousBatchingManager(self, generation_config, **kwargs)
 
     # -- saving and loading --------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ from tests.runtime.arch_configs import VOCAB, build
 if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per core: one torch thread each
     torch.set_num_threads(1)
 
-# The files that take minutes (see `make test`'s slowest durations), started first: `--dist loadfile` hands
-# out files in collection order, and one of them collected last would leave the other worker idle at the end.
+# The files that take minutes (see `make test`'s slowest durations), started first: with
+# `--no-loadscope-reorder` (the Makefile), `--dist loadfile` hands out files in collection order, and a slow one
+# handed out last would leave the other worker idle at the end.
 SLOW_FILES = ("tests/test_cli_end_to_end.py", "tests/bench/test_cuda.py", "tests/export/test_onnx_export.py",
               "tests/runtime/test_gemma3_270m.py", "tests/runtime/test_tensor_parallel.py",
               "tests/kernels/test_triton_models.py", "tests/runtime/test_quantized_model.py")

@@ -92,14 +92,17 @@ class BenchSettings:
 
 
 def check_model_name(name: str) -> None:
-    """ValueError unless ``name`` is a random benchmark model (MODEL_NAMES), a shipped model or a local path."""
+    """ValueError unless ``name`` is a random benchmark model (MODEL_NAMES), a shipped model, a folder with a
+    config.json or a .gguf file."""
     from pathlib import Path
 
     from ..zoo import MODELS
 
-    if name not in MODEL_NAMES and name not in MODELS and not Path(name).exists():
+    path = Path(name)
+    local = (path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())
+    if name not in MODEL_NAMES and name not in MODELS and not local:
         raise ValueError(f"model={name!r}: choose from {', '.join(sorted({*MODEL_NAMES, *MODELS}))}, or give a "
-                         "local model folder or .gguf file")
+                         "local model folder (with a config.json) or .gguf file")
 
 
 def build_model(name: str, seed: int = 0) -> nn.Module:

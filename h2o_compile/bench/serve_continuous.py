@@ -3,7 +3,8 @@
 The stream: ``requests`` requests, Poisson arrivals at ``rate`` per second (seeded), prompt lengths drawn from
 [prompt_min, prompt_max], each its own ``max_new_tokens`` drawn from [new_min, new_max], greedy, EOS respected
 (the model's ``eos_token_id``). Every contender serves it in a fresh process, with at most ``rows`` requests
-decoding at once, after a warm-up before the first arrival (a server is up before its requests come):
+decoding at once; the H2O contenders and transformers' continuous batching warm up before the first arrival (a
+server is up before its requests come), transformers' eager ``generate`` needs none:
 
 - ``h2o-continuous``: ``opt.init_continuous_batching(max_batch_size=rows)`` driven step by step; a request
   joins at the first step after it arrives and leaves the step it finishes.
@@ -15,6 +16,7 @@ decoding at once, after a warm-up before the first arrival (a server is up befor
 - ``hf-groups``: transformers' ``generate`` (DynamicCache) on the same groups as h2o-groups.
 
 Per request: latency (finish - arrival), time to first token (first token - arrival), its own new tokens.
+Quantiles are nearest-rank: with fewer than 100 requests, p99 is the slowest request.
 Per contender: tokens/s and requests/s over the stream's span (first arrival to last finish), peak RSS, and
 the peak RSS when the first request finished (memory fixed from the first request to the last).
 """
@@ -144,9 +146,10 @@ def _hf_continuous(model, stream, s, on_first_done):
 
     # Pages for every row's longest request (no preemption, as H2O's fixed rows), and a step's token budget that
     # takes a whole prompt at once (as H2O's admission prefills it whole).
-    pages = math.ceil(s.max_seq_len / 256) + 1
+    page = ContinuousBatchingConfig().page_size
+    pages = math.ceil(s.max_seq_len / page) + 1
     config = ContinuousBatchingConfig(max_requests_per_batch=s.rows, num_blocks=s.rows * pages,
-                                      max_batch_tokens=max(s.prompt_max, 256))
+                                      max_batch_tokens=max(s.prompt_max, page))
     eos = model.generation_config.eos_token_id
     generation = GenerationConfig(max_new_tokens=s.new_max, do_sample=False, eos_token_id=eos,
                                   pad_token_id=model.generation_config.pad_token_id or 0)
@@ -162,6 +165,8 @@ def _hf_continuous(model, stream, s, on_first_done):
                 r = waiting.popleft()
                 manager.add_request(r.prompt, request_id=r.id, max_new_tokens=r.new_tokens, record_timestamps=True)
             out = manager.get_result(timeout=0.005)
+            if out is not None and out.error is not None:
+                raise RuntimeError(f"transformers' continuous batching failed request {out.request_id}: {out.error}")
             if out is not None and out.is_finished():
                 done[out.request_id] = (out.generated_tokens, out.timestamps[0], out.lifespan[1])
                 on_first_done()
@@ -287,7 +292,8 @@ def continuous_report(result: dict, command: str, machine: str) -> str:
                               "p99 latency s", "p50 TTFT s", "p99 TTFT s", "peak RSS at first finish MiB",
                               "peak RSS MiB"], table), ""]
     lines += ["`span`: first arrival to last finish; tokens: each request's own new tokens (to its max_new_tokens "
-              "or EOS), summed; latency and TTFT from the request's arrival. Same greedy tokens per request: "
+              "or EOS), summed; latency and TTFT from the request's arrival; p50 / p99 nearest-rank (with fewer "
+              "than 100 requests p99 is the slowest request). Same greedy tokens per request: "
               + (", ".join(f"{k}: {v}" for k, v in result["same_tokens"].items()) or "not compared") + ".", "",
               "## Against the targets", ""]
     ours = rows.get("h2o-continuous")

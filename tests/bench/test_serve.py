@@ -48,8 +48,9 @@ def test_any_local_model_is_served(model_dir):
     settings = ServeSettings(model=str(model_dir))
     model = load_model(settings.model, "cpu")
     assert model.config.vocab_size == 96 and model.generation_config.eos_token_id is None
-    with pytest.raises(ValueError, match="or give a local model folder"):
-        ServeSettings(model=str(model_dir / "missing"))
+    for bad in (model_dir / "missing", model_dir / "config.json", ""):  # no folder with a config.json, no .gguf
+        with pytest.raises(ValueError, match="or give a local model folder"):
+            ServeSettings(model=str(bad))
 
 
 @pytest.mark.parametrize("contender", ["h2o-eager", "hf-dynamic"])

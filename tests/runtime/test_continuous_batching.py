@@ -124,6 +124,15 @@ def test_requests_joining_and_leaving_equal_each_alone(optimized, monkeypatch, b
     assert all(bool((opt.kept_positions(layer) == -1).all()) for layer in range(2))  # every row freed
 
 
+def test_init_continuous_batching_takes_transformers_config(optimized):
+    from transformers import ContinuousBatchingConfig
+
+    opt = optimized(8)
+    config = ContinuousBatchingConfig(max_requests_per_batch=3)
+    assert opt.init_continuous_batching(continuous_batching_config=config).rows == 3
+    assert opt.init_continuous_batching(None, config, max_batch_size=2).rows == 2  # positional, as transformers'
+
+
 def test_sampling_with_a_seed_per_request_equals_each_alone(optimized, monkeypatch):
     """do_sample with temperature, top_k and a repetition penalty (a processor that reads the row's own
     tokens): each request draws from its own seeded generator, as torch.manual_seed(seed) + generate alone."""
