@@ -67,7 +67,7 @@ def time_steps(opts: dict, batch: int, total: int, steps: int, rounds: int) -> d
 def time_attention(opt, batch: int, repeats: int = 200) -> dict:
     """The attention op alone (microseconds) at the first layer's shapes once the cache is full."""
     from h2o_compile.kernels import native_cpu, reference
-    from h2o_compile.support import text_config
+    from h2o_compile.graph.support import text_config
 
     key_cache, value_cache, _, pos_cache = opt.layer_states()[0][:4]
     b, hkv, cap, d = key_cache.shape
@@ -146,7 +146,7 @@ def main() -> None:
     import shlex
     import sys
 
-    from h2o_compile.arguments import csv_of
+    from h2o_compile.cli.arguments import csv_of
     from h2o_compile.kernels import native_cpu
     from h2o_compile.reporting import machine_description
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import h2o_compile  # noqa: E402
-from h2o_compile.arguments import csv_of  # noqa: E402
+from h2o_compile.cli.arguments import csv_of  # noqa: E402
 from h2o_compile.reporting import command_line, machine_description, markdown_table, write_json  # noqa: E402
 
 

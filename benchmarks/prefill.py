@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import torch  # noqa: E402
 
-from h2o_compile.presets import parse_options  # noqa: E402
+from h2o_compile.config import parse_options  # noqa: E402
 from h2o_compile.reporting import command_line, machine_description, markdown_table, write_json  # noqa: E402
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from h2o_compile.arguments import csv_of  # noqa: E402
+from h2o_compile.cli.arguments import csv_of  # noqa: E402
 from h2o_compile.bench.serve import (CONTENDERS, DEFAULT_TARGETS, INDUCTOR_CACHES, ServeSettings,  # noqa: E402
                                      plot_serve, run_serve, serve_report)
 from h2o_compile.reporting import command_line, machine_description, write_json  # noqa: E402

@@ -116,7 +116,7 @@ def _worker(rank: int, world: int, threads: int, tp: bool, args: dict, out: str)
         median = statistics.median(steps)
         row = dict(config=f"{world}x{threads}{'tp' if tp and world == 1 else ''}", ranks=world, threads=threads,
                    tp=tp, state_bytes_per_rank=opt.kv_cache_bytes(), kv_heads_per_rank=opt.layers[0].kv_heads,
-                   slots=opt.capacity, step_ms=1e3 * median, step_ms_p10=1e3 * _quantile(steps, 0.1),
+                   slots=opt.stream.capacity, step_ms=1e3 * median, step_ms_p10=1e3 * _quantile(steps, 0.1),
                    step_ms_p90=1e3 * _quantile(steps, 0.9), tokens_per_s=batch / median, prefill_s=prefill,
                    allreduce_ms_per_step=1e3 * comm, tokens=tokens.tolist())
         Path(out, "row.json").write_text(json.dumps(row))

@@ -1,12 +1,15 @@
-"""h2o_compile: H2O (Heavy-Hitter Oracle) KV-cache eviction for Hugging Face causal LMs, as a compiler pass."""
+"""h2o_compile: H2O (Heavy-Hitter Oracle) KV-cache eviction for Hugging Face causal LMs, as a compiler pass.
 
-from . import ops  # noqa: F401  (registers torch.ops.h2o.*)
-from .config import H2OConfig, ScoreRule
+The layers, each importing only those before it (tests/test_layers.py): ``kernels`` (the math) <- ``config``
+<- ``ops`` (the op boundary) <- ``graph`` (capture and passes) <- ``runtime`` (H2OModel) <- ``export`` <-
+``bench``, ``quality`` <- ``cli``; ``zoo`` and ``reporting`` stand apart.
+"""
+
+from .config import PRESETS, H2OConfig, ScoreRule
 from .export import H2OOrtModel, export_onnx
-from .presets import PRESETS
+from .graph.support import UnsupportedModelError
 from .runtime import H2OModel, optimize
 from . import zoo
-from .support import UnsupportedModelError
 from .zoo import load_gemma3_270m, load_tiny
 
 __all__ = ["H2OConfig", "H2OModel", "H2OOrtModel", "PRESETS", "ScoreRule", "UnsupportedModelError", "export_onnx",

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import h2o_compile  # noqa: E402
 from h2o_compile.bench.decode import build_model  # noqa: E402
 from h2o_compile.reporting import command_line, machine_description, markdown_table, write_json  # noqa: E402
-from h2o_compile.compiling import compile_step  # noqa: E402
+from h2o_compile.runtime.compiling import compile_step  # noqa: E402
 from h2o_compile.runtime import decode_step_graph  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def measure(model, shapes, steps: int, budget: float) -> list[dict]:
         opt._compiled_step = shared
         _, dynamic_again = timed_steps(opt, ids[:, total - steps:])
         dynamic += dynamic_again
-        rows.append({"batch": batch, "total": total, "capacity": opt.capacity,
+        rows.append({"batch": batch, "total": total, "capacity": opt.stream.capacity,
                      "eager_ms": 1e3 * statistics.median(eager), "dynamic_ms": 1e3 * statistics.median(dynamic),
                      "static_ms": 1e3 * statistics.median(static),
                      "first_dynamic_step_s": first_dynamic, "static_compile_s": compile_static})

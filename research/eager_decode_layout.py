@@ -13,11 +13,11 @@ import statistics
 
 import torch
 
-from h2o_compile.arguments import csv_of
+from h2o_compile.cli.arguments import csv_of
 from h2o_compile.bench.contenders import H2OContender
 from h2o_compile.bench.decode import _timed_block, build_model
-from h2o_compile.passes import weight_major_linears
-from h2o_compile.passes.h2o_attention import copy_graph_module
+from h2o_compile.graph.passes import weight_major_linears
+from h2o_compile.graph.passes.h2o_attention import copy_graph_module
 from h2o_compile.reporting import machine_description
 
 

@@ -16,8 +16,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from h2o_compile.arguments import csv_of
-from h2o_compile.passes import linear_weight_major
+from h2o_compile.cli.arguments import csv_of
+from h2o_compile.graph.passes import linear_weight_major
 from h2o_compile.reporting import machine_description
 
 

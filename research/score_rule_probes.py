@@ -65,7 +65,7 @@ def group_max() -> None:
 
 def layer_shares(shares) -> None:
     """Each layer's slots = its planned slots x ``shares(plan)[layer]`` (a sliding layer at most its window)."""
-    from h2o_compile.cache_plan import CachePlan, LayerPlan
+    from h2o_compile.runtime.cache_plan import CachePlan, LayerPlan
 
     build = CachePlan.build.__func__
 

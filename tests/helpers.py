@@ -48,7 +48,7 @@ def stop_string_tokenizer(vocab: int):
 
 def has_compiler() -> bool:
     """Whether a C++ compiler is on this machine (the native ops are built with it on first use)."""
-    from h2o_compile.native_build import NativeBuildError, compiler
+    from h2o_compile.kernels.native_build import NativeBuildError, compiler
 
     try:
         compiler("")
@@ -71,9 +71,9 @@ def load_benchmark(name: str):
 
 def served_rules(backend: str) -> list[str]:
     """Rule specs an op-level test of ``backend`` runs, generated from the capability table
-    (h2o_compile/backends.py): every score it serves, alone and decayed where the score takes a decay, plus a
+    (h2o_compile/config/capabilities.py): every score it serves, alone and decayed where the score takes a decay, plus a
     decay of 0 (TOVA) on the paper's score. A score added to the table is tested without editing the test."""
-    from h2o_compile.backends import CAPABILITIES
+    from h2o_compile.config import CAPABILITIES
     from h2o_compile.kernels.rules import SCORES, EvictionRule
 
     rules = [EvictionRule(decay=0.0)]

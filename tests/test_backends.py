@@ -12,9 +12,9 @@ import torch
 
 import h2o_compile
 from h2o_compile import H2OConfig, PRESETS, ScoreRule
-from h2o_compile.backends import CAPABILITIES, capability_table, check_served
+from h2o_compile.config import CAPABILITIES, capability_table, check_served
 from h2o_compile.kernels.rules import SCORES
-from h2o_compile.presets import PRESET_NOTES, parse_options, preset_table
+from h2o_compile.config import PRESET_NOTES, parse_options, preset_table
 
 from .runtime.arch_configs import build
 

@@ -117,7 +117,7 @@ def test_cli_keeps_the_traceback_of_a_bug(model_dir, monkeypatch):
     def broken(*args, **kwargs):
         raise TypeError("an internal bug, not an input error")
 
-    monkeypatch.setattr(h2o_compile, "optimize", broken)
+    monkeypatch.setattr(h2o_compile.cli, "optimize", broken)
     with pytest.raises(TypeError, match="internal bug"):
         main(["generate", "--model", str(model_dir), "--prompt", "w1", "--compile", "off"])
 

@@ -56,7 +56,7 @@ def test_a_bad_rule_is_a_one_line_error(capsys):
 def test_a_missing_extra_is_named(monkeypatch):
     import importlib.util
 
-    from h2o_compile import arguments
+    from h2o_compile.cli import arguments
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
@@ -68,7 +68,7 @@ def test_a_missing_extra_is_named(monkeypatch):
 
 
 def test_default_out_is_a_new_folder_under_the_current_directory(tmp_path, monkeypatch):
-    from h2o_compile.arguments import default_out
+    from h2o_compile.cli.arguments import default_out
 
     monkeypatch.chdir(tmp_path)
     first = default_out("eval")

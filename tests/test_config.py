@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from h2o_compile.runtime.cache_plan import layer_params, layer_shares
 from h2o_compile import H2OConfig
 
 
@@ -66,7 +67,7 @@ def test_capacity_rejects_bad_total():
 def test_rolling_positions_may_reach_the_models_last_position_and_no_further(max_slots, before, block, reach):
     """A block after ``before`` tokens rotates its keys up to min(C, before) + block - 1: position 127 of a
     model with 128 positions is the last one it knows."""
-    from h2o_compile.support import ModelLimits, check_rolling_fits
+    from h2o_compile.graph.support import ModelLimits, check_rolling_fits
 
     limits = ModelLimits(num_layers=1, max_positions=128, windows=(0,), rotary=True)
     if reach <= 128:
@@ -82,15 +83,15 @@ GEMMA3_WINDOWS = ([512] * 5 + [0]) * 3  # Gemma 3 270M: 15 sliding-window layers
 
 def test_global_share_splits_the_same_slots_by_kind():
     config = H2OConfig(budget=0.2, compress_sliding=True, global_share=2.0)
-    shares = config.layer_shares(GEMMA3_WINDOWS)
+    shares = layer_shares(config, GEMMA3_WINDOWS)
     assert shares == [0.8] * 5 + [2.0] + [0.8] * 5 + [2.0] + [0.8] * 5 + [2.0]  # (18 - 3 x 2) / 15 = 0.8
-    assert H2OConfig().layer_shares(GEMMA3_WINDOWS) == [1.0] * 18
+    assert layer_shares(H2OConfig(), GEMMA3_WINDOWS) == [1.0] * 18
     # 1024 tokens at 0.2: C = 205; full-attention layers 410 slots, sliding ones 164 (at most their 512)
-    assert config.layer_params(1024, 0, share=2.0)[:2] == (410, 205)
-    assert config.layer_params(1024, 512, share=0.8)[:2] == (164, 82)
-    assert config.layer_params(1024, 100, share=0.8)[0] == 100  # never beyond the window
-    assert H2OConfig(budget=0.6, compress_sliding=True, global_share=2.0).layer_params(1000, 0, share=2.0)[0] == 1000
-    assert config.layer_params(None, 0, capacity=100, share=2.0)[:2] == (200, 100)  # a stream of C = 100
+    assert layer_params(config, 1024, 0, share=2.0)[:2] == (410, 205)
+    assert layer_params(config, 1024, 512, share=0.8)[:2] == (164, 82)
+    assert layer_params(config, 1024, 100, share=0.8)[0] == 100  # never beyond the window
+    assert layer_params(H2OConfig(budget=0.6, compress_sliding=True, global_share=2.0), 1000, 0, share=2.0)[0] == 1000
+    assert layer_params(config, None, 0, capacity=100, share=2.0)[:2] == (200, 100)  # a stream of C = 100
 
 
 @pytest.mark.parametrize("total_len, budget, share, full_slots, sliding_slots", [
@@ -103,8 +104,8 @@ def test_global_share_splits_the_same_slots_by_kind():
 def test_global_share_keeps_the_uniform_splits_slots(total_len, budget, share, full_slots, sliding_slots):
     config = H2OConfig(budget=budget, compress_sliding=True, global_share=share)
     capacity = budget if total_len is None else config.capacity(total_len)
-    shares = config.layer_shares(GEMMA3_WINDOWS, capacity, total_len)
-    slots = [config.layer_params(total_len, w, capacity, share=s)[0] for w, s in zip(GEMMA3_WINDOWS, shares)]
+    shares = layer_shares(config, GEMMA3_WINDOWS, capacity, total_len)
+    slots = [layer_params(config, total_len, w, capacity, share=s)[0] for w, s in zip(GEMMA3_WINDOWS, shares)]
     assert slots == ([sliding_slots] * 5 + [full_slots]) * 3
     uniform = 3 * capacity + 15 * min(capacity, 512)
     assert abs(sum(slots) - uniform) <= 15 / 2  # rounding: at most half a slot per sliding layer
@@ -112,22 +113,22 @@ def test_global_share_keeps_the_uniform_splits_slots(total_len, budget, share, f
 
 def test_global_share_past_the_window_leaves_every_sliding_layer_its_sinks_and_a_recent_slot():
     config = H2OConfig(budget=0.2, compress_sliding=True, global_share=4.1)
-    assert config.layer_shares(GEMMA3_WINDOWS, 822, 4106)[0] * 822 == pytest.approx(2.4)  # (10146 - 3 x 3370) / 15
+    assert layer_shares(config, GEMMA3_WINDOWS, 822, 4106)[0] * 822 == pytest.approx(2.4)  # (10146 - 3 x 3370) / 15
     config = H2OConfig(budget=0.2, compress_sliding=True, global_share=4.12)
     with pytest.raises(ValueError, match=r"global_share=4.12 at C=822 slots \(4106 tokens\): the 3 full-attention "
                                          r"layers' 3387 slots each leave -15 of the uniform split's 10146 for 15 "
                                          r"sliding-window layers, -1 each, fewer than the 1 that sink_tokens \(0\) "
                                          r"and a recent window need; global_share <= 4.1083 leaves them 1"):
-        config.layer_shares(GEMMA3_WINDOWS, 822, 4106)
+        layer_shares(config, GEMMA3_WINDOWS, 822, 4106)
     # with sinks a sliding layer needs more: 4 sinks + a recent window of round(0.5 x 8) = 4 (7: 4 + 4 > 7);
     # 4.09 x 822 -> 3362 slots leave (10146 - 10086) / 15 = 4 each; 3342 = (10146 - 15 x 8) / 3 leave 8
     config = H2OConfig(budget=0.2, compress_sliding=True, global_share=4.09, sink_tokens=4)
     with pytest.raises(ValueError, match=r"leave 60 of the uniform split's 10146 for 15 sliding-window layers, 4 "
                                          r"each, fewer than the 8 that sink_tokens \(4\) and a recent window need; "
                                          r"global_share <= 4.0657 leaves them 8"):
-        config.layer_shares(GEMMA3_WINDOWS, 822, 4106)
+        layer_shares(config, GEMMA3_WINDOWS, 822, 4106)
     safe = H2OConfig(budget=0.2, compress_sliding=True, global_share=4.0657, sink_tokens=4)
-    assert safe.layer_shares(GEMMA3_WINDOWS, 822, 4106)[0] * 822 == pytest.approx(8.0)
+    assert layer_shares(safe, GEMMA3_WINDOWS, 822, 4106)[0] * 822 == pytest.approx(8.0)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -146,6 +147,6 @@ def test_bad_global_share(kwargs, match):
 def test_global_share_needs_both_kinds_and_slots_left_for_the_sliding_layers():
     config = H2OConfig(compress_sliding=True, global_share=6.0)
     with pytest.raises(ValueError, match="3 full-attention layers of 18 would hold every slot; allowed: below 6"):
-        config.layer_shares(GEMMA3_WINDOWS)
+        layer_shares(config, GEMMA3_WINDOWS)
     with pytest.raises(ValueError, match="this model has 4 full-attention and 0 sliding-window layers"):
-        H2OConfig(compress_sliding=True, global_share=2.0).layer_shares([0] * 4)
+        layer_shares(H2OConfig(compress_sliding=True, global_share=2.0), [0] * 4)

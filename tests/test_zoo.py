@@ -230,7 +230,7 @@ def test_run_training_writes_asset_and_card(corpus_files, tmp_path):
 
 
 def test_load_tiny_missing_asset(tmp_path, monkeypatch):
-    monkeypatch.setattr(zoo, "TINY_LLAMA_DIR", tmp_path / "nowhere")
+    monkeypatch.setattr(zoo.loading, "TINY_LLAMA_DIR", tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="nowhere"):
         zoo.load_tiny()
 

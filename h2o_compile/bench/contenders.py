@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from .machine import synchronize
 from ..kernels.quantized import quantize
-from ..passes import state_names
+from ..runtime import optimize
 
 
 def kv_geometry(model: nn.Module) -> tuple[int, int, int]:
@@ -124,7 +124,7 @@ class HFContender:
             self.cache.update(keys, values, i)
         self.batch, self.total, self.context, self.capacity = batch, total, context, total
         if self._fn is None:
-            from ..compiling import compile_step  # the same settings H2OModel compiles its step with
+            from ..runtime.compiling import compile_step  # the same settings H2OModel compiles its step with
 
             self._fn = (compile_step(self.model.forward, self.mode or "default", weight.device) if self.compile
                         else self.model.forward)
@@ -187,8 +187,6 @@ class H2OContender:
                  name: str | None = None, kv_dtype: str = "model"):
         """``compile``: as ``optimize`` (True, False or a torch.compile mode); ``name`` overrides the name;
         ``kv_dtype="int8"``: int8 kept entries (name suffix ``+int8``)."""
-        from ..runtime import optimize
-
         self.policy, self.budget, self.quantized = policy, budget, kv_dtype == "int8"
         suffix = "+int8" if self.quantized else ""
         self.name = name or ("h2o-full" if policy == "full" else f"{policy}@{budget:g}") + suffix
@@ -200,12 +198,12 @@ class H2OContender:
         self._snapshot: list[tuple[Tensor, Tensor]] = []
 
     def _layer_state(self, i: int) -> list[Tensor]:
-        return [getattr(self.h2o, name) for name in state_names(i, self.quantized)]
+        return self.h2o.layer_states()[i]
 
     def prepare(self, batch: int, total: int, context: int, seed: int) -> None:
         h = self.h2o
         h.reset(batch, total)
-        cap = h.capacity
+        cap = h.stream.capacity
         recent = h.h2o_config.recent_window(cap)
         self._snapshot = []
         for i, spec in enumerate(h.layers):
@@ -226,12 +224,11 @@ class H2OContender:
             score[:, :, :n] = torch.rand(batch, spec.kv_heads, n, generator=gen, device=key.device) * 4.0
             # Kept off the device: a GPU memory measurement must not count the benchmark's own snapshot.
             self._snapshot.append((score.to("cpu", copy=True), pos.to("cpu", copy=True)))
-        h.seen.fill_(context)
-        h._fed = context  # the counters step() keeps; the state now holds `context` tokens
+        h.stream.set_length(context)
         self.batch, self.total, self.context, self.capacity = batch, total, context, cap
 
     def cached_tokens(self) -> int:
-        return int(self.h2o.seen[0])
+        return int(self.h2o.stream.seen[0])
 
     def restore(self) -> None:
         """Scores and positions back to the filled state; keys/values of the slots written during the block
@@ -240,8 +237,7 @@ class H2OContender:
             _, _, score, pos, *_ = self._layer_state(i)
             score.copy_(score0)
             pos.copy_(pos0)
-        self.h2o.seen.fill_(self.context)
-        self.h2o._fed = self.context
+        self.h2o.stream.set_length(self.context)
 
     def step(self, tokens: Tensor, position: int) -> Tensor:
         # H2OModel derives the position from its own counter (seen); the harness checks they agree.
@@ -262,9 +258,7 @@ class H2OContender:
 
     def release(self) -> None:
         self._snapshot = []
-        for i in range(len(self.h2o.layers)):
-            for name in state_names(i, self.quantized):
-                setattr(self.h2o, name, torch.empty(0))
+        self.h2o.stream = None
 
 
 def build_contenders(model: nn.Module, budgets, local_budget: float, compile: bool = True,

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from .decode import build_model, check_model_name
+from ..runtime import optimize
 
 CONTENDERS = ("h2o-compiled", "h2o-compiled-by-layer", "h2o-max-autotune", "h2o-eager", "hf-dynamic",
               "hf-static-compile")
@@ -125,9 +126,7 @@ class Server:
         self.name, self.model, self.settings = name, model, settings
         self.kv = []  # per H2O batch: (H2O state bytes, bytes of a cache of every token)
         if name.startswith("h2o"):
-            import h2o_compile
-
-            self.h2o = h2o_compile.optimize(model, budget=settings.budget, compile=_H2O_COMPILE[name],
+            self.h2o = optimize(model, budget=settings.budget, compile=_H2O_COMPILE[name],
                                             regional_compile=name == "h2o-compiled-by-layer")
 
     @torch.no_grad()

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from ..runtime import optimize
 
 CONTENDERS = ("h2o-continuous", "h2o-groups", "hf-continuous", "hf-groups")
 
@@ -120,9 +121,7 @@ def _wait_until(t0: float, at: float) -> None:
 
 
 def _h2o_continuous(model, stream, s, on_first_done):
-    import h2o_compile
-
-    opt = h2o_compile.optimize(model, budget=s.capacity, compile=s.compile)
+    opt = optimize(model, budget=s.capacity, compile=s.compile)
     manager = opt.init_continuous_batching(max_batch_size=s.rows, do_sample=False)
     manager.warmup()
     waiting, done = deque(stream), {}
@@ -182,9 +181,7 @@ def _groups(model, stream, s, on_first_done, h2o: bool):
     from .serve import _FirstToken, left_pad
 
     if h2o:
-        import h2o_compile
-
-        opt = h2o_compile.optimize(model, budget=s.capacity, compile=s.compile)
+        opt = optimize(model, budget=s.capacity, compile=s.compile)
         opt.generate(torch.tensor([stream[0].prompt[:16]] * s.rows), max_new_tokens=3, do_sample=False)  # warm-up
     pad = model.generation_config.pad_token_id or 0
     done, t0 = {}, time.perf_counter()

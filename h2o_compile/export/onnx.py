@@ -42,23 +42,23 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..backends import check_served
-from ..capture import build_graph
-from ..cache_plan import CachePlan
-from ..config import H2OConfig
-from ..kernels.rules import POLICY_CODES, parse_rule
-from ..passes import set_h2o_params
-from ..passes.h2o_attention import state_fields
-from ..support import check_supported
+from ..graph.capture import build_graph
+from ..runtime.cache_plan import CachePlan
+from ..config import H2OConfig, check_served
+from ..kernels.rules import POLICY_CODES, SCORES, parse_rule
+from ..ops import H2O_ATTENTION
+from ..graph.passes import set_h2o_params
+from ..graph.passes.h2o_attention import state_fields
+from ..graph.support import check_supported
 
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "h2o_config.json"
 FORMAT = "h2o_compile.onnx"
 FORMAT_VERSION = 5  # 2: the H2OAttention function takes rotary tables (rolling positions); 3: kv_dtype;
 #                    4: its max_distance attribute (capped distances); 5: the H2OConfig as config.to_dict()
-# The scores the ONNX function and export/native/h2o_rule.h compute (kScoreMean, kScorePeak there); the
-# capability table (h2o_compile/backends.py) refuses the others before an export.
-ONNX_SCORE_CODES = {"sum": 0, "mean": 1, "max": 2}
+# The scores the ONNX function and export/native/h2o_rule.h compute, by their registry entry's code; the
+# capability table (config/capabilities.py) refuses the others before an export.
+ONNX_SCORE_CODES = {name: s.onnx_code for name, s in SCORES.items() if s.onnx_code is not None}
 SUPPORTED_OPSETS = range(18, 24)  # the function body is written with opset 18 ops, unchanged up to 23
 _DTYPES = {torch.float32: "float32", torch.float16: "float16"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -73,10 +73,9 @@ def state_output_names(num_layers: int, quantized: bool = False) -> list[str]:
     return [f"present.{i}.{f}" for i in range(num_layers) for f in state_fields(quantized)]
 
 
-def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent,
-                     sinks, policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None,
-                     query_from=None, key_scale=None, value_scale=None, max_distance=0):
-    """torch.ops.h2o.attention -> one call of the H2OAttention function (attributes carry the constants).
+def _h2o_translation(*args, **kwargs):
+    """torch.ops.h2o.attention (its arguments: ops/schema.py) -> one call of the H2OAttention function
+    (attributes carry the constants).
 
     A layer without learned sinks passes all -inf (no sink for any head): the function's input is always
     there, and the constant lets ONNX Runtime fold the sink branch away (export/onnx_function.py).
@@ -86,7 +85,10 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
 
     from .onnx_function import H2OAttentionNode, dequantized, quantized
 
-    rule = parse_rule(policy)
+    a = H2O_ATTENTION.bind(args, kwargs)
+    q, sink_logits, rope_cos, rope_sin = a["q"], a["sink_logits"], a["rope_cos"], a["rope_sin"]
+    key_cache, value_cache, key_scale, value_scale = a["key_cache"], a["value_cache"], a["key_scale"], a["value_scale"]
+    rule = parse_rule(a["policy"])
 
     if sink_logits is None:
         # [Hq] from q's static head count; the optimizer folds Shape + Expand into a constant.
@@ -97,10 +99,11 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
     if key_scale is not None:
         key_cache, value_cache = dequantized(key_cache, key_scale), dequantized(value_cache, value_scale)
     out, keys, values, scores, slots = H2OAttentionNode(
-        q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, sink_logits, rope_cos, rope_sin,
-        scale=float(scale), recent=int(recent), sinks=int(sinks), policy=POLICY_CODES[rule.policy], seed=int(seed),
-        window=int(window), softcap=float(softcap), rolling=int(rolling), score=ONNX_SCORE_CODES[rule.score],
-        decay=float(rule.decay), max_distance=int(max_distance))
+        q, a["k"], a["v"], a["positions"], a["valid"], key_cache, value_cache, a["score_cache"], a["pos_cache"],
+        sink_logits, rope_cos, rope_sin, scale=float(a["scale"]), recent=int(a["recent"]), sinks=int(a["sinks"]),
+        policy=POLICY_CODES[rule.policy], seed=int(a["seed"]), window=int(a["window"]), softcap=float(a["softcap"]),
+        rolling=int(rolling), score=ONNX_SCORE_CODES[rule.score], decay=float(rule.decay),
+        max_distance=int(a["max_distance"]))
     if key_scale is None:  # the op's two scale outputs are empty and unused
         none = op.Constant(value_floats=[])
         return out, keys, values, scores, slots, none, none
@@ -111,7 +114,7 @@ def _h2o_translation(q, k, v, positions, valid, key_cache, value_cache, score_ca
 def _resolve_config(model, config, options: dict) -> tuple[nn.Module, H2OConfig]:
     """An H2OModel lends its H2OConfig (``config`` / ``options`` win); a transformers model gets ``config``
     (default: the paper's) with ``options``."""
-    from ..runtime import H2OModel, resolve_config
+    from ..runtime.model import H2OModel, resolve_config
 
     if isinstance(model, H2OModel):
         return model.model, resolve_config(model.h2o_config if config is None else config, None, options)

@@ -13,14 +13,15 @@ Signature (shapes as in kernels/reference.py; C = cache slots, S = C + T):
         pos_cache [B, Hkv, C] int64, sink_logits [Hq] float, rope_cos [B', S', R], rope_sin [B', S', R])
     -> out [B, Hq, T, Dv], key_cache', value_cache', score_cache', pos_cache'
 
-``policy`` is the integer code of rules.POLICY_CODES. The body computes the priorities of every policy
-and selects one with Where: the unused ones cost a few element-wise ops over [B, Hkv, S], little next to the
-attention, and one function serves every policy. The score rule of policy h2o (kernels/rules.py, the torch
-copy of the same arithmetic): ``score`` 0 = the accumulated sum, 1 = the mean over the key's lifetime
-(A / (newest - p + 1)), 2 = the peak (A = max(A, a query's mass summed over the group's heads), an If on the
-attribute); ``decay`` g weighs query t of the block by g^(t1 - t) and the carried scores by g^(valid queries
-of the row), in an If on the attribute that folds away at g = 1. The prompt window and
-prompt pooling need a run-time input the exported graph does not have: export_onnx declines them.
+``policy`` and ``score`` are the integer codes of the rule registry (rules.POLICY_CODES, each Score's
+onnx_code). The body computes the priorities of every policy and selects one with Where: the unused ones cost
+a few element-wise ops over [B, Hkv, S], little next to the attention, and one function serves every policy.
+The score rule of policy h2o (kernels/rules.py, the torch copy of the same arithmetic): ``score`` sum = the
+accumulated sum, mean = the mean over the key's lifetime (A / (newest - p + 1)), max = the peak (A = max(A, a
+query's mass summed over the group's heads), an If on the attribute); ``decay`` g weighs query t of the block
+by g^(t1 - t) and the carried scores by g^(valid queries of the row), in an If on the attribute that folds away
+at g = 1. The prompt window and prompt pooling need a run-time input the exported graph does not have:
+export_onnx declines them.
 
 Quantized entries (kv_dtype="int8"): the exporter wraps the call, :func:`dequantized` caches in, the caches
 out :func:`quantized` again (the state between steps is int8 plus scales; one function body serves both).
@@ -76,6 +77,12 @@ import onnx
 from onnxscript import BOOL, FLOAT, INT8, INT64, script
 from onnxscript import opset18 as op
 from onnxscript.values import Op, Opset
+
+from ..kernels.rules import POLICY_CODES, SCORES
+
+# The codes the attributes ``policy`` and ``score`` carry: fields of the rule registry (kernels/rules.py).
+_POLICY_H2O, _POLICY_RANDOM = POLICY_CODES["h2o"], POLICY_CODES["random"]
+_SCORE_MEAN, _SCORE_PEAK = SCORES["mean"].onnx_code, SCORES["max"].onnx_code
 
 DOMAIN = "ai.h2o_compile"
 FUNCTION_NAME = "H2OAttention"
@@ -204,7 +211,7 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     else:
         weighted = op.Identity(probs)                                                  # [B, Hkv, G, T, S]
         carried = op.Identity(score_cache)
-    is_peak = op.Equal(op.Constant(value_int=score), op.Constant(value_int=2))
+    is_peak = op.Equal(op.Constant(value_int=score), op.Constant(value_int=_SCORE_PEAK))
     if is_peak:  # score="max", folded away as decay: each query's mass over the group's heads, then the max
         mass = op.ReduceMax(op.ReduceSum(weighted, [2], keepdims=0), [2], keepdims=0)  # [B, Hkv, S]
     else:
@@ -214,7 +221,8 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
                  op.MatMul(op.Slice(probs, cap, int_max, [3]), op.Cast(v_new, to=FLOAT.dtype)))
     out = op.CastLike(op.Reshape(out, op.Concat(b, [-1], t, dv, axis=0)), q)          # [B, Hq, T, Dv]
     # Only policy h2o reads scores: the others keep them at 0, as the torch backends do.
-    mass = op.Mul(mass, op.Cast(op.Equal(op.Constant(value_int=policy), zero_i), to=FLOAT.dtype))  # [B, Hkv, S]
+    mass = op.Mul(mass, op.Cast(op.Equal(op.Constant(value_int=policy), op.Constant(value_int=_POLICY_H2O)),
+                                to=FLOAT.dtype))                                                   # [B, Hkv, S]
     grown = op.Concat(carried, op.ConstantOfShape(op.Shape(new_pos_h)), axis=2)
     if is_peak:
         all_scores = op.Max(grown, mass)
@@ -230,10 +238,11 @@ def H2OAttention(q, k, v, positions, valid, key_cache, value_cache, score_cache,
     x = op.Mod(op.Mul(x, lehmer_mul), lehmer_mod)
     x = op.Mod(op.Mul(x, lehmer_mul), lehmer_mod)
     code = op.Constant(value_int=policy)
-    not_h2o = op.Where(op.Equal(code, op.Constant(value_int=3)), op.Cast(x, to=FLOAT.dtype), pos_f)
+    not_h2o = op.Where(op.Equal(code, op.Constant(value_int=_POLICY_RANDOM)), op.Cast(x, to=FLOAT.dtype), pos_f)
     lifetime = op.Cast(op.Max(op.Add(op.Sub(newest, all_pos), one_i), one_i), to=FLOAT.dtype)   # [B, Hkv, S]
-    h2o_key = op.Where(op.Equal(op.Constant(value_int=score), one_i), op.Div(all_scores, lifetime), all_scores)
-    by_policy = op.Where(op.Equal(code, zero_i), h2o_key, not_h2o)
+    h2o_key = op.Where(op.Equal(op.Constant(value_int=score), op.Constant(value_int=_SCORE_MEAN)),
+                       op.Div(all_scores, lifetime), all_scores)
+    by_policy = op.Where(op.Equal(code, op.Constant(value_int=_POLICY_H2O)), h2o_key, not_h2o)
     protected = op.Or(op.Less(all_pos, op.Constant(value_int=sinks)),
                       op.Greater(all_pos, op.Sub(newest, op.Constant(value_int=recent))))
     priority = op.Where(protected, op.Constant(value_float=float("inf")), by_policy)

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .. import generation
-from ..cache_plan import CachePlan
+from ..runtime import generation
+from ..runtime.cache_plan import CachePlan
 from ..config import H2OConfig
 from .onnx import (CONFIG_FILE, FORMAT, FORMAT_VERSION, MODEL_FILE, TOKENIZER_FILES, state_input_names,
                    state_output_names)

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..native_build import cache_root, compile_cached, compiler, digest
+from .native_build import cache_root, compile_cached, compiler, digest
 
 HERE = Path(__file__).resolve().parent / "native"
 SOURCES = ("prefill_mass.cc", "decode_attend.cc", "rows_linear.cc")

@@ -58,6 +58,8 @@ class Score:
         key_score: None for a score of attention; for a query-free score, keys [B, Hkv, T, D] (as the model
             produced them) -> the score [B, Hkv, T] fp32 an entry is written with and keeps: no attention
             mass is collected, so a prompt window or pooling has nothing to act on.
+        onnx_code: the integer the ONNX function (export/onnx_function.py) and the native ONNX Runtime op
+            (export/native/h2o_rule.h) know this score by; None = they do not compute it (refused there by name).
     """
 
     name: str
@@ -66,6 +68,7 @@ class Score:
     peak: bool = False
     decays: bool = True
     key_score: Optional[Callable[[Tensor], Tensor]] = None
+    onnx_code: Optional[int] = None
 
     @property
     def reads_attention(self) -> bool:
@@ -88,12 +91,13 @@ def _accumulated(scores: Tensor, pos: Tensor, newest: Tensor) -> Tensor:
     return scores
 
 
-register_score(Score("sum", "accumulated attention (the paper)", _accumulated))
+register_score(Score("sum", "accumulated attention (the paper)", _accumulated, onnx_code=0))
 register_score(Score("mean", "accumulated attention per query that could see the key", decays=False,
-                     priority=lambda scores, pos, newest: scores / (newest - pos + 1).clamp(min=1).to(torch.float32)))
+                     priority=lambda scores, pos, newest: scores / (newest - pos + 1).clamp(min=1).to(torch.float32),
+                     onnx_code=1))
 # Why a peak: keys that a model's global layers read again hundreds of tokens later had one sharp look before,
 # which a (decayed) sum forgets (docs/results/eval_gemma3/probes).
-register_score(Score("max", "the largest attention one query gave the key", _accumulated, peak=True))
+register_score(Score("max", "the largest attention one query gave the key", _accumulated, peak=True, onnx_code=2))
 # KnormPress's observation: keys with a small L2 norm draw the most attention; needs no attention at all.
 register_score(Score("knorm", "keys with the smallest L2 norm stay (query-free)", _accumulated, decays=False,
                      key_score=lambda keys: -torch.linalg.vector_norm(keys.float(), dim=-1)))

@@ -15,9 +15,9 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..config import H2OConfig
+from ..config import H2OConfig, parse_options
 from ..kernels.quantized import check_kv_dtype
-from ..runtime import optimize
+from ..runtime.model import optimize
 
 
 @dataclass
@@ -44,8 +44,6 @@ class EvalSettings:
             raise ValueError(f"prompt_len={self.prompt_len} must be in [1, seq_len={self.seq_len})")
         if not self.policies and not self.h2o_sinks and not self.h2o_rules:
             raise ValueError("no configuration to run: give at least one policy, h2o_sinks > 0 or an h2o rule")
-        from ..presets import parse_options
-
         for rule in self.h2o_rules:  # a ValueError names a bad rule before the sweep starts
             H2OConfig.from_options(dict(compress_sliding=self.compress_sliding, **parse_options(rule)))
         for kv_dtype in self.kv_dtypes:
@@ -131,8 +129,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def _configs(settings: EvalSettings):
     """(label, policy, sink_tokens, budget, score-rule kwargs) for every configuration the sweep runs."""
-    from ..presets import parse_options
-
     variants = [(policy, policy, None if policy in ("sink", "full") else 0, {}) for policy in settings.policies]
     if settings.h2o_sinks:
         variants.append((f"h2o+{settings.h2o_sinks}sinks", "h2o", settings.h2o_sinks, {}))

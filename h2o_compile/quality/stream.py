@@ -18,9 +18,9 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..config import POLICIES, POSITIONS, H2OConfig
-from ..support import check_supported
-from ..runtime import optimize
+from ..config import POLICIES, POSITIONS, H2OConfig, parse_options
+from ..graph.support import check_supported
+from ..runtime.model import optimize
 
 
 def resident_bytes() -> int:
@@ -198,8 +198,6 @@ def stream_perplexity(model, token_ids: torch.Tensor, *, capacity: int, chunk: i
 
 def stream_rule_options(rule: str, compress_sliding: bool = False) -> dict:
     """H2OConfig keywords of an h2o score rule for a stream; a ValueError for rules a stream cannot honour."""
-    from ..presets import parse_options
-
     options = parse_options(rule)
     if options.get("prompt_window") is not None or options.get("prompt_pool", 1) != 1:
         raise ValueError(f"score rule {rule!r}: a stream is fed in chunks and has no prompt for a prompt window or "

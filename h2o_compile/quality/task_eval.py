@@ -9,8 +9,9 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from ..presets import parse_options
+from ..config import parse_options
 from .tasks import TaskSample, max_new_tokens
+from ..runtime import optimize
 
 @dataclass(frozen=True)
 class TaskConfig:
@@ -80,14 +81,13 @@ def run_tasks(model, tokenizer, samples: Sequence[TaskSample], configs: Sequence
         a TaskRun whose rows hold task, length, depth, index, the configuration's fields, score, output and
         kv_bytes (the cache state the answer was generated with: keys, values, scores, positions).
     """
-    import h2o_compile
     from tqdm.auto import tqdm
 
     run = TaskRun()
     start = time.perf_counter()
     bar = tqdm(total=len(samples) * len(configs), desc="tasks", unit="prompt", disable=not progress)
     for config in configs:
-        opt = h2o_compile.optimize(model, compile=compile, **config.optimize_kwargs())
+        opt = optimize(model, compile=compile, **config.optimize_kwargs())
         for sample in samples:
             ids = torch.tensor([sample.prompt_ids], dtype=torch.long)
             out = opt.generate(ids, max_new_tokens=max_new_tokens(sample.task))

@@ -143,7 +143,7 @@ def test_logits_positions_and_tokens_match_h2o_model(exported, name):
         worst, evicting = drive_both(ours, theirs, ids, mask, steps=32, max_seq_len=MAX_SEQ_LEN)
     assert worst < 1e-4, f"max logit difference {worst}"
     assert evicting >= 20, "the cache should be full (and evicting) for most decode steps"
-    assert ours.capacity == theirs.capacity
+    assert ours.capacity == theirs.stream.capacity
     assert ours.kv_cache_bytes() == theirs.kv_cache_bytes()  # same state tensors, batch of the last reset
     # generate(): same arguments, same result, including the generation_config defaults (eos / pad).
     theirs_ids = theirs.generate(ids, attention_mask=mask, max_new_tokens=MAX_SEQ_LEN - ids.shape[1])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_compile import backends
+from h2o_compile.ops import dispatch
 from h2o_compile.kernels import cpu_prefill, native_cpu, reference
 
 from ..helpers import has_compiler, sink_logits_for
@@ -101,7 +101,7 @@ def test_the_op_takes_the_fused_path_where_it_applies(monkeypatch, softcap, take
     monkeypatch.setattr(cpu_prefill, "attend_sdpa", lambda *a, **k: calls.append(1) or real(*a, **k))
     q, keys, values, key_pos, positions, valid = _inputs((1, 4, 2, 6, 0, 16), torch.float32)
     state = reference.empty_state(1, 2, 4, 16)
-    backends.h2o_attention(q, keys, values, positions, valid, state, scale=0.3, recent=1, sinks=0, policy="h2o",
+    dispatch.h2o_attention(q, keys, values, positions, valid, state, scale=0.3, recent=1, sinks=0, policy="h2o",
                            softcap=softcap)
     assert bool(calls) is taken
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_compile import backends
+from h2o_compile.ops import dispatch
 from h2o_compile.kernels import native_cpu, reference
-from h2o_compile.native_build import NativeBuildError
+from h2o_compile.kernels.native_build import NativeBuildError
 
 from ..helpers import has_compiler
 
@@ -163,6 +163,6 @@ def test_the_op_prefill_takes_the_one_pass_where_a_rule_reads_the_mass(monkeypat
     q, k, v = torch.randn(1, 4, 40, 16, generator=gen), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     positions, valid = torch.arange(40)[None], torch.ones(1, 40, dtype=torch.bool)
     state = reference.empty_state(1, 2, 8, 16)
-    backends.h2o_attention(q, k, v, positions, valid, state, scale=0.25, recent=4, sinks=0, policy=policy,
+    dispatch.h2o_attention(q, k, v, positions, valid, state, scale=0.25, recent=4, sinks=0, policy=policy,
                            window=window)
     assert bool(calls) is taken

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from h2o_compile.kernels import native_cpu
-from h2o_compile.passes import weight_major_linears
+from h2o_compile.graph.passes import weight_major_linears
 
 from ..helpers import has_compiler
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_compile import H2OConfig, ScoreRule, backends, ops
-from h2o_compile.backends import CAPABILITIES, check_served
+from h2o_compile import H2OConfig, ScoreRule, ops
+from h2o_compile.ops import dispatch
+from h2o_compile.config import CAPABILITIES, check_served
 from h2o_compile.kernels import reference
 from h2o_compile.kernels.rules import EvictionRule, parse_rule
 
@@ -116,8 +117,8 @@ def _triton(q, k, v, positions, valid, state, query_from, **kw):
 
 
 def _native_cpu(q, k, v, positions, valid, state, query_from, **kw):
-    """The op's own path on CPU (h2o_compile/backends.py): torch's fused attention and the native ops."""
-    return backends.h2o_attention_(q, k, v, positions, valid, state, query_from=query_from, **kw)
+    """The op's own path on CPU (h2o_compile/ops/dispatch.py): torch's fused attention and the native ops."""
+    return dispatch.h2o_attention_(q, k, v, positions, valid, state, query_from=query_from, **kw)
 
 
 def _fused_decode(q, k, v, positions, valid, state, query_from, **kw):

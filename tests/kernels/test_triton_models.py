@@ -56,5 +56,5 @@ def test_hybrid_model_through_triton_equals_simulation(triton_backend, name, rul
     opt = h2o_compile.optimize(model.to(triton_backend), budget=BUDGET, sink_tokens=SINKS, compile=False,
                                compress_sliding=True, global_share=1.6, **rule)
     got = step_blocks(opt, ids.to(triton_backend), blocks).float().cpu()
-    assert opt.layer_capacities == [SLIDING["capacity"], FULL["capacity"], SLIDING["capacity"]]
+    assert opt.stream.slots == [SLIDING["capacity"], FULL["capacity"], SLIDING["capacity"]]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 import transformers
 
 import h2o_compile
-from h2o_compile.capture import capture
+from h2o_compile.graph.capture import capture
 from h2o_compile.kernels.reference import empty_state
-from h2o_compile.passes import count_h2o_ops, find_attention_sites, rewrite_attention, set_h2o_params
+from h2o_compile.graph.passes import count_h2o_ops, find_attention_sites, rewrite_attention, set_h2o_params
 
 aten = torch.ops.aten
 
@@ -178,7 +178,7 @@ def test_soft_capping_is_read_from_the_graph():
 def test_a_layer_kind_the_pass_cannot_serve_is_declined_naming_the_layer():
     from types import SimpleNamespace
 
-    from h2o_compile.support import layer_windows
+    from h2o_compile.graph.support import layer_windows
 
     config = SimpleNamespace(num_hidden_layers=3, sliding_window=8,
                              layer_types=["sliding_attention", "full_attention", "chunked_attention"])

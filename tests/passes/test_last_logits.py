@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import h2o_compile
-from h2o_compile.passes import last_position_logits
+from h2o_compile.graph.passes import last_position_logits
 from tests.runtime.arch_configs import VOCAB, build
 
 
@@ -23,7 +23,7 @@ def test_the_copy_returns_the_last_row_and_leaves_the_graph_alone():
     results = []
     for graph in (opt.graph, last):
         opt.reset(2, 12)
-        results.append(graph(*_inputs(2, 12), *opt.state(), *opt._recent))
+        results.append(graph(*_inputs(2, 12), *opt.state(), *opt.stream.recent))
     full, ours = results
     assert full.shape == (2, 12, VOCAB) and ours.shape == (2, 1, VOCAB)
     torch.testing.assert_close(ours, full[:, -1:], rtol=1e-5, atol=1e-5)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import h2o_compile
-from h2o_compile import runtime
-from h2o_compile.passes.layer_regions import (LayersInterleaved, region_module, regional_graph, split_regions,
+from h2o_compile.runtime import model as runtime
+from h2o_compile.graph.passes.layer_regions import (LayersInterleaved, region_module, regional_graph, split_regions,
                                               structure)
 from h2o_compile.runtime import decode_step_graph
 

@@ -11,7 +11,7 @@ import torch
 from torch.fx import GraphModule
 
 import h2o_compile
-from h2o_compile.passes.rotary_table_cache import RotaryTables, cache_rotary_tables
+from h2o_compile.graph.passes.rotary_table_cache import RotaryTables, cache_rotary_tables
 
 from ..runtime.arch_configs import VOCAB, build
 

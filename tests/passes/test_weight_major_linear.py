@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import h2o_compile
-from h2o_compile import runtime
+from h2o_compile.runtime import model as runtime
 from h2o_compile.kernels import native_cpu
-from h2o_compile.passes import linear_weight_major, weight_major_linears
+from h2o_compile.graph.passes import linear_weight_major, weight_major_linears
 
 from ..helpers import has_compiler
 from ..runtime.arch_configs import VOCAB, build

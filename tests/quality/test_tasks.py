@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from h2o_compile import zoo
-from h2o_compile.presets import parse_options
+from h2o_compile.config import parse_options
 from h2o_compile.quality.task_eval import TaskConfig, TaskRun, run_tasks
 from h2o_compile.quality.task_report import write_task_report
 from h2o_compile.quality.tasks import TASKS, make_samples

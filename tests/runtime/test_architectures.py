@@ -62,7 +62,7 @@ def test_evicting_budget_equals_simulation(name):
     ids = torch.randint(1, VOCAB, (2, 22), generator=gen)
     blocks = [9] + [1] * 13
     ours = step_blocks(opt, ids, blocks)
-    recent = opt.h2o_config.recent_window(opt.capacity)
+    recent = opt.h2o_config.recent_window(opt.stream.capacity)
     want = simulate_logits(model, ids, blocks, capacity=6, recent=recent, sinks=1, policy="h2o")
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
     assert (opt.kept_positions(0) >= 0).sum(-1).eq(6).all()

@@ -66,7 +66,7 @@ def test_a_capped_stream_runs_far_past_the_models_positions():
     with pytest.raises(ValueError, match="a block of 129 tokens spans distances beyond the model's "
                                          "max_position_embeddings=128"):
         whole.step(ids[:, :129])
-    assert whole.seen.tolist() == [30]
+    assert whole.stream.seen.tolist() == [30]
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -11,7 +11,7 @@ import transformers
 from torch._dynamo.utils import counters
 
 import h2o_compile
-from h2o_compile.compiling import compile_step
+from h2o_compile.runtime.compiling import compile_step
 
 from .compile_checks import assert_ran_compiled, strict_compile
 
@@ -49,7 +49,7 @@ def test_twenty_requests_of_new_lengths_and_batch_sizes_compile_one_step(long_ll
         for _ in range(20):
             ids, mask = _request(rng, gen)
             ours = compiled.generate(ids, mask, max_new_tokens=4)
-            capacities.add((ids.shape[0], compiled.capacity))
+            capacities.add((ids.shape[0], compiled.stream.capacity))
             assert torch.equal(ours, eager.generate(ids, mask, max_new_tokens=4))
         assert_ran_compiled(graphs=1)
     assert len(capacities) >= 15  # the calls really did have many different (batch, capacity) shapes
@@ -84,7 +84,7 @@ def test_no_compile_after_warmup(long_llama):
     torch._dynamo.reset()
     counters.clear()
     assert opt.warmup(batch_sizes=[1, 4], max_seq_lens=[64, 700], progress=False) == 1
-    assert opt.capacity is None  # warmup leaves no request behind
+    assert opt.stream is None  # warmup leaves no request behind
     graphs = counters["stats"]["unique_graphs"]
     rng, gen = random.Random(5), torch.Generator().manual_seed(5)
     for _ in range(4):
@@ -116,14 +116,14 @@ def test_unfused_step_takes_its_recent_window_at_run_time(long_llama):
             for opt in (eager, reference):
                 opt.reset(batch, total)
                 opt.step(ids[:, :total - 6])
-            recent = eager._recent
+            recent = eager.stream.recent
             assert len(set(recent)) == 1 and recent[0] == round(0.25 * total / 2)
             for i in range(total - 6, total):
                 token = ids[:, i:i + 1]
                 positions = torch.full((batch, 1), i, dtype=torch.long)
                 valid = torch.ones(batch, 1, dtype=torch.bool)
                 ours = step(token, positions, valid, *eager.state(), *recent)
-                eager._fed += 1
+                eager.stream.fed += 1
                 torch.testing.assert_close(ours, reference.step(token), rtol=1e-4, atol=1e-4)
             for layer in range(2):
                 assert torch.equal(eager.kept_positions(layer), reference.kept_positions(layer))
@@ -157,7 +157,7 @@ def test_last_position_logits_equal_the_full_logits_and_leave_the_same_cache(lon
 def test_a_cpu_compile_trusts_the_cpu_flags_once_the_native_ops_are_built():
     """Inductor's per-process probe of the vector instruction sets (a compile and a load per set) is skipped on
     CPU when the native ops built with -march=native; kept on other devices and where they are not built."""
-    from h2o_compile.compiling import _patches
+    from h2o_compile.runtime.compiling import _patches
     from h2o_compile.kernels import native_cpu
 
     def trusts(device: str) -> bool:

@@ -10,7 +10,8 @@ import transformers
 from torch._dynamo.utils import counters
 
 import h2o_compile
-from h2o_compile import continuous_batching as cb
+from h2o_compile.runtime import continuous_batching as cb
+from h2o_compile.runtime.stream import Stream
 
 from ..helpers import stop_string_tokenizer
 from .compile_checks import assert_ran_compiled, strict_compile
@@ -60,13 +61,14 @@ def _kept(opt, row: int) -> list[list[list[int]]]:
 def _serve(manager, schedule: dict[int, list[tuple]], kept: dict, monkeypatch) -> dict:
     """Step ``manager``; before step s add the requests schedule[s] = [(prompt, kwargs)]. ``kept`` receives each
     finished request's kept positions (read just before its row is emptied). Returns {id: output}."""
-    original = cb.reset_row
+    original = Stream.reset_row
 
-    def record(opt, row):
-        kept[manager._slots[row].id] = _kept(opt, row)
-        original(opt, row)
+    def record(stream, row):
+        if stream is manager.opt.stream:
+            kept[manager._slots[row].id] = _kept(manager.opt, row)
+        original(stream, row)
 
-    monkeypatch.setattr(cb, "reset_row", record)
+    monkeypatch.setattr(Stream, "reset_row", record)
     results, ids, step = {}, [], 0
     while step <= max(schedule) or manager.pending:
         for prompt, kwargs in schedule.get(step, []):
@@ -120,7 +122,7 @@ def test_requests_joining_and_leaving_equal_each_alone(optimized, monkeypatch, b
         assert kept[f"req_{i}"] == positions, f"request {i}"
     if budget == 8:
         assert max(len(h) for k in kept.values() for layer in k for h in layer) == 8  # eviction happened
-    assert manager.running == 0 and int(opt.seen.sum()) == 0
+    assert manager.running == 0 and int(opt.stream.seen.sum()) == 0
     assert all(bool((opt.kept_positions(layer) == -1).all()) for layer in range(2))  # every row freed
 
 
@@ -171,7 +173,7 @@ def test_a_float_budget_sizes_rows_from_max_seq_len(optimized):
     alone = optimized(0.25)
     prompts = _prompts([54, 54, 54], seed=3)
     results = cb.generate_batch(opt, prompts, max_new_tokens=10)
-    assert opt.capacity == 16
+    assert opt.stream.capacity == 16
     for prompt, out in zip(prompts, results.values()):
         assert out.generated_tokens == _alone(alone, prompt, dict(max_new_tokens=10))[0]
     manager = cb.ContinuousBatchingManager(opt, max_batch_size=2, max_seq_len=64)

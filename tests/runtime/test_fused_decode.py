@@ -9,7 +9,7 @@ import torch
 import h2o_compile
 from h2o_compile import ops
 from h2o_compile.kernels import native_cpu, reference
-from h2o_compile.passes import count_h2o_ops, fuse_decode_bookkeeping, state_names
+from h2o_compile.graph.passes import count_h2o_ops, fuse_decode_bookkeeping, state_names
 from h2o_compile.runtime import decode_step_graph
 
 from .arch_configs import VOCAB, build

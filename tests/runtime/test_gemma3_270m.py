@@ -33,7 +33,7 @@ def test_600_token_prompt_32_greedy_tokens_equal_transformers(gemma):
     theirs = model.generate(ids, max_new_tokens=32, do_sample=False)
     assert torch.equal(ours, theirs), f"first mismatch at {(ours != theirs).nonzero()[:1].tolist()}"
     # 15 sliding layers hold their 512-token window, the 3 global layers the whole 632 tokens.
-    assert opt.layer_capacities == [632 if kind == "full_attention" else 512 for kind in model.config.layer_types]
+    assert opt.stream.slots == [632 if kind == "full_attention" else 512 for kind in model.config.layer_types]
 
 
 def test_missing_weights_package_names_the_extra(monkeypatch):

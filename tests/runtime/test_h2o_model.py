@@ -22,7 +22,7 @@ def test_kept_positions_and_cache_bytes(llama):
     opt = h2o_compile.optimize(llama, budget=0.25, compile=False)
     ids = torch.randint(1, VOCAB, (3, 30))
     opt.reset(3, 40)
-    assert opt.capacity == 10
+    assert opt.stream.capacity == 10
     assert torch.all(opt.kept_positions(0) == -1)
     opt.step(ids)
     kept = opt.kept_positions(1)
@@ -122,7 +122,7 @@ def test_sliding_window_on_every_layer_is_served_beyond_the_window():
     opt = h2o_compile.optimize(model, budget=1.0, compile=False)
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
     ours = opt.generate(ids, max_new_tokens=26)
-    assert opt.layer_capacities == [8, 8]
+    assert opt.stream.slots == [8, 8]
     theirs = model.generate(ids, max_new_tokens=26, do_sample=False)
     assert torch.equal(ours, theirs)
 

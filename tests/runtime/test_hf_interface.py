@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from h2o_compile import H2OConfig, H2OModel, UnsupportedModelError, optimize
-from h2o_compile.hf_interface import H2O_FILE
+from h2o_compile.runtime.hf_interface import H2O_FILE
 from tests.helpers import stop_string_tokenizer
 from tests.runtime.arch_configs import VOCAB, build
 

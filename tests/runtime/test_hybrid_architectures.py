@@ -46,7 +46,7 @@ def test_full_budget_generate_equals_transformers(name):
     ours = opt.generate(ids, attention_mask=mask, max_new_tokens=LENGTH - 40 + 8, pad_token_id=0)
     theirs = model.generate(ids, attention_mask=mask, max_new_tokens=LENGTH - 40 + 8, do_sample=False,
                             pad_token_id=0)
-    assert opt.layer_capacities == [WINDOW, LENGTH + 8, WINDOW]
+    assert opt.stream.slots == [WINDOW, LENGTH + 8, WINDOW]
     assert ours.shape == theirs.shape
     assert torch.equal(ours, theirs), f"first mismatch at {(ours != theirs).nonzero()[:1].tolist()}"
 
@@ -97,7 +97,7 @@ def test_global_share_moves_slots_and_equals_simulation(name, budget, share, ful
         return dict(capacity=slots, recent=recent, sinks=1)
 
     ours = step_blocks(opt, ids, blocks)
-    assert opt.layer_capacities == [sliding_slots[0], full_slots[0], sliding_slots[0]]
+    assert opt.stream.slots == [sliding_slots[0], full_slots[0], sliding_slots[0]]
     want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
                            layer_args=layer_args)
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import h2o_compile
-from h2o_compile.support import UnsupportedModelError
+from h2o_compile.graph.support import UnsupportedModelError
 
 from ..helpers import step_blocks
 from .arch_configs import VOCAB, WINDOW, build
@@ -123,7 +123,7 @@ def test_a_rolling_stream_runs_far_past_the_models_positions_at_constant_memory(
         whole.reset(1, capacity=24)
         whole.step(ids[:, :30])
         whole.step(ids[:, :120])  # one block of 120 after 24 held keys: distances up to 143
-    assert whole.seen.tolist() == [30]  # the refused block left the stream where it was
+    assert whole.stream.seen.tolist() == [30]  # the refused block left the stream where it was
 
 
 def test_true_positions_past_the_models_positions_warn_on_rotary_models_and_fail_on_learned_ones():

@@ -14,15 +14,19 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ...native_build import NativeBuildError, cache_root, compile_cached, compiler, digest
+from ...kernels.native_build import NativeBuildError, cache_root, compile_cached, compiler, digest
+from ...kernels.rules import POLICY_CODES, SCORES
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("ort_abi.h", "h2o_shapes.h", "h2o_rule.h", "h2o_glue.h", "h2o_kernel.h", "h2o_op.cc")
 CUDA_SOURCES = ("ort_abi.h", "h2o_shapes.h", "h2o_rule.h", "h2o_glue.h", "h2o_op_cuda.cu")
 LIBRARY = "libh2o_ort.so"
 API_VERSION = 16  # H2O_ORT_API_VERSION of ort_abi.h; api_version_of() reads the built library's own answer
+# The integer codes h2o_rule.h compares with, read from the rule registry (kernels/rules.py).
+RULE_CODES = [f"-DH2O_POLICY_H2O={POLICY_CODES['h2o']}", f"-DH2O_POLICY_RANDOM={POLICY_CODES['random']}",
+              f"-DH2O_SCORE_MEAN={SCORES['mean'].onnx_code}", f"-DH2O_SCORE_PEAK={SCORES['max'].onnx_code}"]
 _FLAGS = ["-std=c++17", "-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-fvisibility=hidden",
-          "-pthread"]
+          "-pthread", *RULE_CODES]
 
 __all__ = ["NativeBuildError", "library_path", "api_version_of", "cuda_library_path", "compile_cuda"]
 
@@ -71,7 +75,7 @@ def compile_cuda(out_dir: str | os.PathLike, *, arch: str = "sm_90", nvcc: str |
     out = Path(out_dir) / "libh2o_ort_cuda.so"
     out.parent.mkdir(parents=True, exist_ok=True)
     full = [nvcc, "-std=c++17", "-O3", f"-arch={arch}", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-shared",
-            "-o", str(out), str(HERE / "h2o_op_cuda.cu")]
+            *RULE_CODES, "-o", str(out), str(HERE / "h2o_op_cuda.cu")]
     try:
         result = subprocess.run(full, capture_output=True, text=True)
     except OSError as exc:

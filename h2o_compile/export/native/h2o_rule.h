@@ -16,9 +16,13 @@
 
 namespace h2o {
 
-// rules.POLICY_CODES and rules.SCORES in the order export/onnx.py encodes them.
-constexpr int64_t kPolicyH2O = 0, kPolicyRandom = 3;
-constexpr int64_t kScoreMean = 1, kScorePeak = 2;
+// The integer codes of kernels/rules.py (POLICY_CODES, each Score's onnx_code), given by the build's -D flags
+// (export/native/build.py, RULE_CODES), so the registry is the only place they are written.
+#if !defined(H2O_POLICY_H2O) || !defined(H2O_POLICY_RANDOM) || !defined(H2O_SCORE_MEAN) || !defined(H2O_SCORE_PEAK)
+#error "compile with export/native/build.py's RULE_CODES (-DH2O_POLICY_H2O=... from kernels/rules.py)"
+#endif
+constexpr int64_t kPolicyH2O = H2O_POLICY_H2O, kPolicyRandom = H2O_POLICY_RANDOM;
+constexpr int64_t kScoreMean = H2O_SCORE_MEAN, kScorePeak = H2O_SCORE_PEAK;
 
 H2O_RULE bool reads_mass(const Attrs& a) { return a.policy == kPolicyH2O; }
 H2O_RULE bool is_peak(const Attrs& a) { return a.score == kScorePeak; }

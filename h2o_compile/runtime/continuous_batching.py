@@ -43,32 +43,14 @@ from torch import Tensor
 # GenerationOutput / RequestStatus: transformers' own classes (its continuous batching's outputs).
 from .continuous_requests import GenerationOutput, Request, RequestStatus, finished_output, make_request
 
-__all__ = ["ContinuousBatchingManager", "GenerationOutput", "RequestStatus", "generate_batch", "reset_row"]
-
-
-def reset_row(opt, row: int) -> None:
-    """Empty one row of ``opt``'s H2O state (every layer: slots empty, scores 0, positions -1, int8 scales 1)
-    and its token count, leaving every other row as it is."""
-    for plan, tensors in zip(opt.plan.layers, opt.layer_states()):
-        for (_, _, fill), tensor in zip(plan.tensor_specs(1), tensors):
-            tensor[row].fill_(fill)
-    opt.seen[row] = 0
-
-
-def copy_row(src, src_row: int, dst, dst_row: int) -> None:
-    """Copy one row of ``src``'s H2O state (every layer's tensors, and its token count) into row ``dst_row``
-    of ``dst``; both were reset with the same plan."""
-    for src_layer, dst_layer in zip(src.layer_states(), dst.layer_states()):
-        for s, d in zip(src_layer, dst_layer):
-            d[dst_row].copy_(s[src_row])
-    dst.seen[dst_row] = src.seen[src_row]
+__all__ = ["ContinuousBatchingManager", "GenerationOutput", "RequestStatus", "generate_batch"]
 
 
 def _twin(opt):
     """A scratch H2OModel sharing ``opt``'s graph, weights and settings but holding its own state buffers, for
     batch-1 prefills. It runs eagerly: a one-token prompt would otherwise compile a batch-1 decode step."""
     twin = copy.copy(opt)
-    twin._buffers = dict(opt._buffers)  # reset() registers fresh buffers into this dict, not opt's
+    twin._modules = dict(opt._modules)  # reset() registers its fresh stream into this dict, not opt's
     twin.compile_mode = False
     return twin
 
@@ -100,7 +82,7 @@ class ContinuousBatchingManager:
         self.generation_config, self.defaults = generation_config, kwargs
         self.device = opt.device
         opt.reset(max_batch_size, capacity=self.capacity)
-        self._state = opt.state()  # to notice a reset by someone else
+        self._stream = opt.stream  # to notice a reset by someone else
         self._twin = _twin(opt)
         self._slots: list[Optional[Request]] = [None] * max_batch_size
         self._next = torch.zeros(max_batch_size, dtype=torch.long, device=self.device)   # [B] next input token
@@ -183,7 +165,7 @@ class ContinuousBatchingManager:
         """Admit waiting requests into free rows (their prefill; with ``prefill_chunk`` one chunk), then one
         decode step for every running row; returns the outputs of the requests that finished in it."""
         with self._lock:
-            if self.opt.state()[0] is not self._state[0]:
+            if self.opt.stream is not self._stream:
                 raise RuntimeError("the model's cache was reset (generate or reset on the same H2OModel) while the "
                                    "continuous batching manager owns it; use a second optimize() for other calls")
             self._finished = []
@@ -213,7 +195,7 @@ class ContinuousBatchingManager:
             if logits is None:
                 return  # the rest of the prompt goes in at the next steps
             self._prefilling = None
-            copy_row(self._twin, 0, self.opt, free)
+            self._stream.copy_row(self._twin.stream, 0, free)
             self._slots[free], request.row = request, free
             token = request.choose(logits[0])                                  # the first new token
             if self._after_token(request, token):
@@ -223,7 +205,7 @@ class ContinuousBatchingManager:
     def _run_batch_step(self) -> Tensor:
         # The batch has no end (capacity sizing): place_block's positions are per row; the model's count of
         # fed tokens is only its position check's "longest row", which is the longest running request.
-        self.opt._fed = max((r.length for r in self._slots if r is not None), default=0)
+        self._stream.fed = max((r.length for r in self._slots if r is not None), default=0)
         return self.opt.step(self._next[:, None], self._active[:, None])[:, -1]    # [B, V]
 
     def _decode(self) -> None:
@@ -249,7 +231,7 @@ class ContinuousBatchingManager:
     def _finish(self, request: Request, error: Optional[str] = None) -> None:
         self._requests.pop(request.id, None)
         if request.row is not None:  # the row frees at once: the next admitted request takes it
-            reset_row(self.opt, request.row)
+            self._stream.reset_row(request.row)
             self._slots[request.row] = None
             self._active[request.row] = False
             request.row = None

@@ -8,20 +8,15 @@ per-layer state. Weights are shared with the user's model, not copied.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import warnings
 from typing import Optional
 
 import torch
 from torch import nn
 
-from .config import H2OConfig
+from ..config import H2OConfig
 from .passes import find_attention_sites, find_rotary, move_rotary_into_ops, rewrite_attention
-from .support import ModelLimits, UnsupportedModelError, check_supported
-
-_ATTN_IMPLS = ("sdpa", "eager")
-
+from .support import ModelLimits, UnsupportedModelError, attention_implementation, check_supported
 
 class _LogitsOnly(nn.Module):
     """forward(input_ids, position_ids) -> logits [B, T, V], without a KV cache."""
@@ -32,33 +27,6 @@ class _LogitsOnly(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-
-
-@contextlib.contextmanager
-def attention_implementation(model: nn.Module):
-    """Run the model with SDPA (or eager, when it supports only that) for the capture, then restore the
-    user's choice: the model object is left as it was given."""
-    config = model.config
-    before = getattr(config, "_attn_implementation", None)
-    if before in _ATTN_IMPLS:
-        yield before
-        return
-    try:
-        model.set_attn_implementation("sdpa")
-        chosen = "sdpa"
-    except (ValueError, ImportError, AttributeError):
-        model.set_attn_implementation("eager")
-        chosen = "eager"
-    if before is not None:
-        # H2O replaces the attention anyway; say which implementation the captured graph was traced with.
-        warnings.warn(f"attn_implementation={before!r} cannot be captured; the H2O graph is traced with "
-                      f"{chosen!r} attention (the model itself keeps {before!r})", stacklevel=3)
-    try:
-        yield chosen
-    finally:
-        if before is not None:
-            with contextlib.suppress(ValueError, ImportError, AttributeError):
-                model.set_attn_implementation(before)
 
 
 def capture(model: nn.Module, example_len: int = 8, example_batch: int = 2) -> torch.fx.GraphModule:

@@ -1,4 +1,5 @@
-"""Named presets and the one string syntax of a configuration, shared by Python, the CLI and result files.
+"""The one string syntax of a configuration and the presets' options, shared by Python, the CLI and result
+files (config/presets.py builds the H2OConfig of each preset).
 
 A rule string is parts joined by ``+``; each part is
 
@@ -17,8 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .config import H2OConfig, ScoreRule
-from .kernels.rules import SCORES
+from ..kernels.rules import SCORES
 
 # name -> (options, what it is for). Options are flat H2OConfig / ScoreRule fields (H2OConfig.from_options).
 _PRESETS: dict[str, tuple[dict[str, Any], str]] = {
@@ -34,18 +34,21 @@ _PRESETS: dict[str, tuple[dict[str, Any], str]] = {
 }
 PRESET_OPTIONS: dict[str, dict[str, Any]] = {name: options for name, (options, _) in _PRESETS.items()}
 PRESET_NOTES: dict[str, str] = {name: note for name, (_, note) in _PRESETS.items()}
-PRESETS: dict[str, H2OConfig] = {name: H2OConfig.from_options(options) for name, options in PRESET_OPTIONS.items()}
 
 _ALIASES = {"window": "prompt_window", "pool": "prompt_pool", "recent": "recent_ratio", "global": "global_share",
             "sliding": "sliding_score", "sinks": "sink_tokens"}
-_FIELD_TYPES = {**{f.name: f.type for f in dataclasses.fields(H2OConfig)},
-                **{f.name: f.type for f in dataclasses.fields(ScoreRule)}}
-_FIELD_TYPES.pop("rule")
 
 
-def _read(name: str, text: str) -> Any:
-    """``text`` as the value of field ``name`` (its annotation says which kind)."""
-    kind = str(_FIELD_TYPES[name])
+def _field_types(config_class) -> dict[str, str]:
+    """Every H2OConfig and ScoreRule field (the rule's fields side by side) -> its annotation."""
+    rule_class = config_class.__dataclass_fields__["rule"].default_factory
+    types = {f.name: str(f.type) for cls in (config_class, rule_class) for f in dataclasses.fields(cls)}
+    types.pop("rule")
+    return types
+
+
+def _read(name: str, kind: str, text: str) -> Any:
+    """``text`` as the value of field ``name`` (its annotation ``kind`` says which kind)."""
     if text.lower() == "none" and "Optional" in kind:
         return None
     if name == "budget":
@@ -63,9 +66,10 @@ def _read(name: str, text: str) -> Any:
     return text
 
 
-def parse_options(text: str) -> dict[str, Any]:
-    """The rule string -> flat H2OConfig / ScoreRule options (only what it sets). A ValueError names the part it
-    cannot read or the field set twice; H2OConfig checks the values."""
+def read_options(text: str, config_class) -> dict[str, Any]:
+    """The rule string -> flat ``config_class`` (H2OConfig) / ScoreRule options (only what it sets). A ValueError
+    names the part it cannot read or the field set twice; H2OConfig checks the values."""
+    field_types = _field_types(config_class)
     if not isinstance(text, str) or not text:
         raise ValueError(f"rule string {text!r} is empty; use a preset ({', '.join(PRESET_OPTIONS)}) or options "
                          "such as max+decay=0.99")
@@ -78,8 +82,8 @@ def parse_options(text: str) -> dict[str, Any]:
                 given = dict(PRESET_OPTIONS[part])
             elif part in SCORES:
                 given = {"score": part}
-            elif value and name in _FIELD_TYPES:
-                given = {name: _read(name, value)}
+            elif value and name in field_types:
+                given = {name: _read(name, field_types[name], value)}
             else:
                 raise ValueError(part)
         except ValueError:
@@ -93,22 +97,14 @@ def parse_options(text: str) -> dict[str, Any]:
     return options
 
 
-def format_options(config: H2OConfig) -> str:
+def format_options(config) -> str:
     """The shortest plain rule string of ``config``: its fields that differ from the defaults, "paper" if none."""
-    default = H2OConfig(policy=config.policy)  # the policy's own default sinks are not a change
+    default = type(config)(policy=config.policy)  # the policy's own default sinks are not a change
     parts = [f"policy={config.policy}"] * (config.policy != "h2o")
-    for f in dataclasses.fields(H2OConfig):
+    for f in dataclasses.fields(config):
         if f.name not in ("rule", "policy") and getattr(config, f.name) != getattr(default, f.name):
             parts.append(f"{f.name}={getattr(config, f.name)}")
-    for f in dataclasses.fields(ScoreRule):
+    for f in dataclasses.fields(config.rule):
         if getattr(config.rule, f.name) != getattr(default.rule, f.name):
             parts.append(f"{f.name}={getattr(config.rule, f.name)}")
     return "+".join(parts) or "paper"
-
-
-def preset_table() -> str:
-    """The presets as Markdown: name, what it is for, its rule string, the backends that serve it."""
-    rows = ["| preset | for | rule string | served by |", "|---|---|---|---|"]
-    for name, config in PRESETS.items():
-        rows.append(f"| `{name}` | {PRESET_NOTES[name]} | `{config.to_string()}` | {', '.join(config.served_by)} |")
-    return "\n".join(rows)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from .reporting import command_line, machine_description, markdown_table, write_json
+from ..reporting import command_line, machine_description, markdown_table, write_json
+from ..runtime import optimize
 
 # Our own prompts, in the registers the shipped tiny model was trained on (encyclopedia prose and a novel).
 DEMO_PROMPTS = (
@@ -53,13 +54,12 @@ def run_demo(model: str = "gemma3-270m", out_dir=None, new_tokens: int = 64, bud
 
     H2O compresses every layer to the budget, sliding-window layers included (``compress_sliding``): the
     prompts are shorter than Gemma 3's 512-token window, so a window cache alone would keep everything."""
-    import h2o_compile
-    from .zoo import load_model
+    from ..zoo import load_model
 
     torch.manual_seed(0)
     hf_model, tokenizer = load_model(model)
-    contenders = {"full cache": h2o_compile.optimize(hf_model, budget=1.0, policy="full", compile=False),
-                  f"H2O {budget:.0%}": h2o_compile.optimize(hf_model, budget=budget, compile=False,
+    contenders = {"full cache": optimize(hf_model, budget=1.0, policy="full", compile=False),
+                  f"H2O {budget:.0%}": optimize(hf_model, budget=budget, compile=False,
                                                             compress_sliding=True)}
     rows, records = [], []
     for i, prompt in enumerate(DEMO_PROMPTS, 1):
@@ -85,7 +85,7 @@ def run_demo(model: str = "gemma3-270m", out_dir=None, new_tokens: int = 64, bud
 
 
 def _write(out: Path, rows, records, new_tokens, budget, model) -> None:
-    from .reporting import plot_bars
+    from ..reporting import plot_bars
 
     header = {"command": command_line(), "machine": machine_description(), "model": model,
               "new_tokens": new_tokens, "budget": budget}

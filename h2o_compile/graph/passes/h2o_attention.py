@@ -20,17 +20,15 @@ from dataclasses import dataclass
 import torch
 from torch.fx import GraphModule
 
-from .. import ops  # registers torch.ops.h2o
+from ... import ops  # registers torch.ops.h2o
+from ...ops import H2O_ATTENTION, PARAMS, PARAMS_AT
 from .attention_sites import AttentionSite
 
 STATE_FIELDS = ("key", "value", "score", "position")
 SCALE_FIELDS = ("key_scale", "value_scale")  # quantized entries only
 _INPLACE = torch.ops.h2o.attention_.default
 _FUNCTIONAL = torch.ops.h2o.attention.default
-# Argument index of the first H2O parameter (recent) in the op schema:
-# (q, k, v, positions, valid, 4 x state, scale, recent, sinks, policy, seed, window, softcap, sink_logits)
-_PARAMS_AT = 10
-_PARAMS_END = 14
+_PARAMS_END = PARAMS_AT + len(PARAMS)
 
 
 @dataclass(frozen=True)
@@ -90,9 +88,12 @@ def rewrite_attention(gm: GraphModule, sites: list[AttentionSite], *, functional
             with graph.inserting_after(last):
                 last = graph.placeholder(name)
             state.append(last)
-        args = (site.query, site.key, site.value, position_ids, valid, *state[:4], site.scale, recent, sinks,
-                policy, seed, spec.window, spec.softcap, site.sink)
-        scales = dict(zip(("key_scale", "value_scale"), state[4:]))
+        values = dict(q=site.query, k=site.key, v=site.value, positions=position_ids, valid=valid,
+                      **dict(zip(H2O_ATTENTION.state, state)), scale=site.scale, recent=recent, sinks=sinks,
+                      policy=policy, seed=seed, window=spec.window, softcap=spec.softcap, sink_logits=site.sink)
+        last_positional = H2O_ATTENTION.index("sink_logits") + 1  # the passes after this one append rotary tables
+        args = tuple(values.pop(name) for name in H2O_ATTENTION.names[:last_positional])
+        scales = values  # key_scale / value_scale, given for int8 entries only
         with graph.inserting_before(site.node):
             if functional:
                 result = graph.call_function(_FUNCTIONAL, args, scales)
@@ -120,7 +121,7 @@ def set_h2o_params(gm: GraphModule, *, recent=None, sinks, policy, seed: int) ->
     :func:`runtime_recent_graph`)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in (_INPLACE, _FUNCTIONAL)]
     if recent is None:
-        recent = [n.args[_PARAMS_AT] for n in nodes]
+        recent = [n.args[PARAMS_AT] for n in nodes]
     recent = [recent] * len(nodes) if isinstance(recent, int) else list(recent)
     sinks = [sinks] * len(nodes) if isinstance(sinks, int) else list(sinks)
     policy = [policy] * len(nodes) if isinstance(policy, str) else list(policy)
@@ -130,8 +131,8 @@ def set_h2o_params(gm: GraphModule, *, recent=None, sinks, policy, seed: int) ->
     changed = 0
     for node, layer_recent, layer_sinks, layer_policy in zip(nodes, recent, sinks, policy):
         params = (layer_recent, layer_sinks, layer_policy, seed)
-        if tuple(node.args[_PARAMS_AT:_PARAMS_END]) != params:
-            node.args = node.args[:_PARAMS_AT] + params + node.args[_PARAMS_END:]
+        if tuple(node.args[PARAMS_AT:_PARAMS_END]) != params:
+            node.args = node.args[:PARAMS_AT] + params + node.args[_PARAMS_END:]
             changed += 1
     if changed:
         gm.recompile()
@@ -167,7 +168,7 @@ def runtime_recent_graph(gm: GraphModule) -> GraphModule:
     for i, node in enumerate(nodes):
         with copy.graph.inserting_after(last):
             last = copy.graph.placeholder(f"recent{i}")
-        node.args = node.args[:_PARAMS_AT] + (last,) + node.args[_PARAMS_AT + 1:]
+        node.args = node.args[:PARAMS_AT] + (last,) + node.args[PARAMS_AT + 1:]
     with copy.graph.inserting_after(last):
         query_from = copy.graph.placeholder("query_from", default_value=None)
     for node in nodes:

@@ -15,6 +15,8 @@ import importlib.util
 import time
 from pathlib import Path
 
+from ..config import PRESET_OPTIONS, H2OConfig, parse_options
+
 MODEL_HELP = "a shipped model (tiny, gemma3-270m), a local model folder, or a .gguf file"
 COMPILE_CHOICES = ("auto", "on", "off", "default", "reduce-overhead", "max-autotune")
 COMPILE_HELP = ("the decode step under torch.compile: auto = on CUDA only, on, off, or a torch.compile mode "
@@ -81,8 +83,6 @@ def compile_choice(value: str):
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     """--preset and --rule: the H2O configuration in the one rule syntax (H2OConfig.parse)."""
-    from .presets import PRESET_OPTIONS
-
     p.add_argument("--preset", choices=list(PRESET_OPTIONS), default="paper",
                    help="a named configuration (h2o_compile.PRESETS); recommended is the best measured")
     p.add_argument("--rule", default=None,
@@ -92,9 +92,6 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args, **flags):
     """The H2OConfig of --preset / --rule, with the explicit flags (those not None) applied on top."""
-    from .config import H2OConfig
-    from .presets import parse_options
-
     config = H2OConfig.parse(args.preset)
     if args.rule:
         config = config.replace(**parse_options(args.rule))

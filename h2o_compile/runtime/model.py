@@ -8,19 +8,18 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ..config import PRESET_OPTIONS, H2OConfig, check_served
+from ..graph.capture import build_graph
+from ..graph.passes import (LayerSpec, cache_rotary_tables, copy_graph_module, last_position_logits,
+                            runtime_recent_graph, set_h2o_params, weight_major_linears)
+from ..graph.support import ModelLimits, check_capped_fits, check_rolling_fits, text_config
+from ..graph.tensor_parallel import shard_model
+from ..ops.dispatch import backend_for, compile_mode, eager_step_plan, freezes_weights
 from . import generation
-from .capture import build_graph
-from .compiling import check_compile, check_regional_compile, compile_step, compile_step_by_layer, freezes_weights
-from .backends import backend_for, check_served, decode_step_graph
-from .cache_plan import CachePlan
-from .config import H2OConfig
+from .cache_plan import CachePlan, layer_shares, layer_sinks
+from .compiling import check_compile, check_regional_compile, compile_step, compile_step_by_layer, decode_step_graph
 from .hf_interface import CausalLMInterface, register_for_pipelines
-from .kernels import native_cpu
-from .presets import PRESET_OPTIONS
-from .passes import (LayerSpec, cache_rotary_tables, last_position_logits, runtime_recent_graph,
-                     set_h2o_params, state_names, weight_major_linears)
-from .passes.h2o_attention import copy_graph_module
-from .support import ModelLimits, check_capped_fits, check_rolling_fits, text_config
+from .stream import Stream
 
 
 def _positive_ints(name: str, values) -> list[int]:
@@ -53,26 +52,24 @@ class H2OModel(CausalLMInterface, nn.Module):
         self.limits = limits
         self.compile_mode = compile
         self.regional_compile = regional_compile
-        self.capacity: Optional[int] = None           # C, the budget's slots per layer (H2OConfig.global_share)
-        self.layer_capacities: list[int] = []         # slots per layer (sliding-window layers may differ)
-        self.max_seq_len: Optional[int] = None
-        self.plan: Optional[CachePlan] = None         # the state of the last reset()
-        self._fed = 0
-        self._warned_positions = False
+        self.stream: Optional[Stream] = None   # the state of the last reset(), runtime/stream.py
         # Sinks and rule per layer, and the seed, are the same for every request: constants of the graph, set once.
-        set_h2o_params(self.graph, sinks=[config.layer_sinks(spec.window) for spec in layers],
+        set_h2o_params(self.graph, sinks=[layer_sinks(config, spec.window) for spec in layers],
                        policy=config.layer_rules([spec.window for spec in layers]), seed=config.seed)
         # What eager calls run: the graph with its rotary tables (rolling / capped positions) computed once per
         # table size; the compiled step derives from self.graph and fuses them instead.
         self._eager_graph = cache_rotary_tables(self.graph)
-        self._recent = []    # the recent window per layer, an input of every call
         self._compiled_step = None      # built on the first compiled decode step
         self._eager_step_graph = None   # built on the first eager CPU decode step that needs it (_eager_decode_step)
         self._eager_step_native = False  # whether its linears are the native rows_linear
         self._last_logits_graph = None  # built on demand from the graph
-        self.register_buffer("seen", torch.zeros(0, dtype=torch.long), persistent=False)
 
     # -- state ---------------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_model(cls, model: nn.Module, **kwargs) -> "H2OModel":
+        """:func:`optimize` (``from_pretrained`` and ``.to()`` build through it)."""
+        return optimize(model, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -103,34 +100,26 @@ class H2OModel(CausalLMInterface, nn.Module):
             raise ValueError(f"give reset() either max_seq_len (a bounded sequence) or capacity (a stream), "
                              f"not {'both' if capacity is not None else 'neither'}")
         plan = CachePlan.build(self.h2o_config, self.layers, self.limits, max_seq_len=max_seq_len, capacity=capacity)
-        self._recent = plan.recent
-        device = self.device
-        for i, (layer, state) in enumerate(zip(plan.layers, plan.empty_state(batch_size, device))):
-            for name, tensor in zip(state_names(i, layer.spec.quantized), state):
-                self.register_buffer(name, tensor, persistent=False)
-                if device.type == "cuda":
-                    torch._dynamo.mark_static_address(tensor)  # CUDA graphs replay on fixed addresses
-        self.seen = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self.plan, self.capacity, self.max_seq_len, self._fed = plan, plan.capacity, max_seq_len, 0
-        self._warned_positions = False  # once per stream
-        self.layer_capacities = plan.slots
+        self.stream = Stream(plan, batch_size, self.device)
 
     def state(self) -> list[Tensor]:
         """The flat state, per layer: key [B, Hkv, C, D], value, score [B, Hkv, C] fp32, position int64 (and
         with kv_dtype="int8" the key and value scales; cache_plan.py)."""
-        return [t for layer in self.layer_states() for t in layer]
+        return self._stream().tensors()
 
     def layer_states(self) -> list[list[Tensor]]:
         """The state tensors of each layer (cache_plan.py's order), in layer order."""
-        if self.capacity is None:
+        return self._stream().layer_states()
+
+    def _stream(self) -> Stream:
+        if self.stream is None:
             raise RuntimeError("no cache yet: call reset(batch_size, max_seq_len) or generate() first")
-        return [[getattr(self, name) for name in state_names(i, spec.quantized)] for i, spec in enumerate(self.layers)]
+        return self.stream
 
     def kept_positions(self, layer: int) -> Tensor:
         """LongTensor [B, Hkv, C_layer]: the token position held by each slot of ``layer``, -1 = empty slot."""
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"layer={layer} out of range; the model has {len(self.layers)} layers")
-        self.state()
         return self.layer_states()[layer][3].clone()
 
     def kv_cache_bytes(self) -> int:
@@ -139,7 +128,7 @@ class H2OModel(CausalLMInterface, nn.Module):
 
     def layer_cache_bytes(self) -> list[int]:
         """Bytes of each layer's H2O state (keys, values, scores, positions, and int8 scales), in layer order."""
-        return [sum(t.numel() * t.element_size() for t in layer) for layer in self.layer_states()]
+        return self._stream().layer_nbytes()
 
     def full_cache_bytes(self, batch_size: int, seq_len: int) -> int:
         """Bytes a KV cache holding every token of every layer (keys and values) needs for the same model."""
@@ -160,18 +149,11 @@ class H2OModel(CausalLMInterface, nn.Module):
 
     def _run_graph(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor,
                    query_from: Optional[Tensor] = None) -> Tensor:
-        return self._eager_graph(input_ids, positions, valid, *state, *self._recent, query_from)
+        return self._eager_graph(input_ids, positions, valid, *state, *self.stream.recent, query_from)
 
     def resolved_compile_mode(self) -> Optional[str]:
         """The torch.compile mode of the decode step on this model's device, or None when it runs eagerly."""
-        mode, cuda = self.compile_mode, self.device.type == "cuda"
-        if mode == "auto":
-            mode = cuda
-        if mode is False:
-            return None
-        if mode is True:
-            return "reduce-overhead" if cuda else "default"  # CUDA graphs for the step on GPU
-        return mode
+        return compile_mode(self.compile_mode, self.device)
 
     def _decode_fn(self):
         """The one-token step: the graph itself, or, when compilation is on, one compiled step for every batch
@@ -188,7 +170,7 @@ class H2OModel(CausalLMInterface, nn.Module):
                 self._compiled_step, _ = compile_step_by_layer(step_graph, mode, self.device)
             else:
                 self._compiled_step = compile_step(step_graph, mode, self.device, dynamic=True)
-        compiled, recent = self._compiled_step, self._recent
+        compiled, recent = self._compiled_step, self.stream.recent
         return lambda *inputs: compiled(*inputs, *recent, None)  # query_from: decode tokens score as usual
 
     def _compiles_by_layer(self, mode: str) -> bool:
@@ -203,18 +185,15 @@ class H2OModel(CausalLMInterface, nn.Module):
         return self.regional_compile
 
     def _eager_decode_step(self, input_ids: Tensor, positions: Tensor, valid: Tensor, *state: Tensor) -> Tensor:
-        """The eager one-token step on CPU: its linear layers through the native ``rows_linear`` where it is built
-        (kernels/native_cpu.py), else, with two rows or more, as ``weight @ x^T`` (passes/weight_major_linear.py;
-        faster at batch >= 2, docs/results/eager_decode_layout_cpu.md); a single row then keeps ``aten.linear``,
-        where the measured runs found no consistent difference."""
-        native = native_cpu.available()
-        if input_ids.shape[0] == 1 and not native:
+        """The eager one-token step on CPU, its linear layers as ops/dispatch.py's ``eager_step_plan`` says."""
+        plan = eager_step_plan(input_ids.shape[0])
+        if not plan.weight_major:
             return self._run_graph(input_ids, positions, valid, *state)
-        if self._eager_step_graph is None or self._eager_step_native != native:
+        if self._eager_step_graph is None or self._eager_step_native != plan.native:
             self._eager_step_graph = copy_graph_module(self._eager_graph)  # shares the weights
-            self._eager_step_native = native
-            weight_major_linears(self._eager_step_graph, native=native)
-        return self._eager_step_graph(input_ids, positions, valid, *state, *self._recent, None)
+            self._eager_step_native = plan.native
+            weight_major_linears(self._eager_step_graph, native=plan.native)
+        return self._eager_step_graph(input_ids, positions, valid, *state, *self.stream.recent, None)
 
     @torch.no_grad()
     def warmup(self, batch_sizes=(1,), max_seq_lens=(256,), *, progress: bool = True) -> int:
@@ -240,7 +219,7 @@ class H2OModel(CausalLMInterface, nn.Module):
         for batch, total in tqdm(pairs, desc="warmup", unit="shape", disable=not progress):
             self.reset(batch, total)
             self.step(torch.zeros(batch, 1, dtype=torch.long, device=self.device))
-        self.capacity, self.max_seq_len, self._fed = None, None, 0
+        self.stream = None
         return counters["stats"]["unique_graphs"] - before
 
     @torch.no_grad()
@@ -258,15 +237,15 @@ class H2OModel(CausalLMInterface, nn.Module):
         """
         if logits_to_keep not in (0, 1) or isinstance(logits_to_keep, bool):
             raise ValueError(f"logits_to_keep={logits_to_keep!r}; allowed: 0 (every position) or 1 (the last)")
-        state = self.state()
-        limit = torch.iinfo(torch.int64).max if self.max_seq_len is None else self.max_seq_len
-        if isinstance(input_ids, Tensor) and input_ids.dim() == 2:  # before place_block advances self.seen
+        state, stream = self.state(), self.stream
+        limit = torch.iinfo(torch.int64).max if stream.max_seq_len is None else stream.max_seq_len
+        if isinstance(input_ids, Tensor) and input_ids.dim() == 2:  # before place_block advances stream.seen
             self._check_positions(input_ids.shape[1])
-        input_ids, valid, positions = generation.place_block(self.seen, self._fed, limit, input_ids,
+        input_ids, valid, positions = generation.place_block(stream.seen, stream.fed, limit, input_ids,
                                                              attention_mask, self.device, self.vocab_size)
-        query_from = self._prompt_query_from(valid) if self._fed == 0 else None
+        query_from = self._prompt_query_from(valid) if stream.fed == 0 else None
         t = input_ids.shape[1]
-        self._fed += t
+        stream.fed += t
         if t == 1:  # a one-token prompt scores as any token: its query counts, and pooling one key keeps it
             return self._decode_fn()(input_ids, positions, valid, *state)
         chunk = self.h2o_config.prefill
@@ -275,9 +254,9 @@ class H2OModel(CausalLMInterface, nn.Module):
         if logits_to_keep == 1:
             last = self._last_logits()
             for block in blocks[:-1]:
-                last(input_ids[:, block], positions[:, block], valid[:, block], *state, *self._recent, query_from)
+                last(input_ids[:, block], positions[:, block], valid[:, block], *state, *stream.recent, query_from)
             block = blocks[-1]
-            return last(input_ids[:, block], positions[:, block], valid[:, block], *state, *self._recent,
+            return last(input_ids[:, block], positions[:, block], valid[:, block], *state, *stream.recent,
                         query_from)
         return torch.cat([self._run_graph(input_ids[:, block], positions[:, block], valid[:, block], *state,
                                           query_from=query_from) for block in blocks], dim=1)
@@ -297,23 +276,23 @@ class H2OModel(CausalLMInterface, nn.Module):
         """The positions a block of ``t`` tokens will use must be ones the model knows: true positions up to
         max_position_embeddings (a stream of a rotary model may go on, with a warning: it extrapolates),
         rolling ones below max(C) + block, capped distances at most max(max_distance, block - 1)."""
-        known = self.limits.max_positions
+        known, stream = self.limits.max_positions, self.stream
         if known is None:
             return
         chunk = t if self.h2o_config.prefill == "full" else min(t, self.h2o_config.prefill)
         if self.h2o_config.positions == "capped":  # distances stay at most max(D, block - 1)
             check_capped_fits(self.limits, chunk)
         elif self.h2o_config.positions == "rolling":  # the last block of this call decides
-            check_rolling_fits(self.limits, max(self.layer_capacities), self._fed + t - chunk, chunk)
-        elif self._fed + t > known:
-            if self.max_seq_len is not None or not self.limits.rotary:
-                raise ValueError(f"the stream reaches {self._fed + t} tokens, beyond the model's "
+            check_rolling_fits(self.limits, max(stream.slots), stream.fed + t - chunk, chunk)
+        elif stream.fed + t > known:
+            if stream.max_seq_len is not None or not self.limits.rotary:
+                raise ValueError(f"the stream reaches {stream.fed + t} tokens, beyond the model's "
                                  f"max_position_embeddings={known} (keys keep their true positions; "
                                  + ("positions='rolling' or 'capped' keeps them inside)" if self.limits.rotary else
                                     "the graph shows no rotary embedding, so the model's positions are taken "
                                     "to end there)"))
-            if not self._warned_positions:
-                self._warned_positions = True
+            if not stream.warned_positions:
+                stream.warned_positions = True
                 warnings.warn(f"the stream passes the model's max_position_embeddings={known} with true "
                               "positions: the model extrapolates to distances it never saw (positions='rolling' "
                               "or 'capped' keeps every distance inside)", stacklevel=3)
@@ -386,12 +365,10 @@ def optimize(model: nn.Module, budget: Union[float, int, None] = None, *, config
         else torch.device("cpu")
     check_served(config, "Triton" if backend_for(device) == "triton" else "reference")
     if tp is not False and tp is not None:
-        from .tensor_parallel import shard_model
-
         shard_model(model, tp, settings=config.to_string())  # each rank captures its own shard below
     graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized,
                                         max_distance=config.max_distance)
-    config.layer_shares([spec.window for spec in layers])  # a share the model's layers cannot take fails here
+    layer_shares(config, [spec.window for spec in layers])  # a share the model's layers cannot take fails here
     check_regional_compile(regional_compile)
     return H2OModel(model, graph, layers, config, limits, compile=compile, regional_compile=regional_compile)
 

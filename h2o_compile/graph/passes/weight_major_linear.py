@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.fx import GraphModule
 
-from ..kernels import native_cpu
+from ...kernels import native_cpu
 
 _LINEAR = torch.ops.aten.linear.default
 

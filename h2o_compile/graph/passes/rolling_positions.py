@@ -25,12 +25,13 @@ import torch
 from torch.fx import GraphModule, Node
 
 from .attention_sites import _is_call, _last_dim, _val
+from ...ops import H2O_ATTENTION
 from .h2o_attention import _FUNCTIONAL, _INPLACE
 
 aten = torch.ops.aten
 _CASTS = (aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.clone.default, aten.contiguous.default)
-_POS_CACHE = 8   # argument index of the layer's position cache in the h2o op schema
-_OP_ARGS = 17    # arguments of an h2o op before the rotary tables
+_POS_CACHE = H2O_ATTENTION.index("pos_cache")
+_OP_ARGS = H2O_ATTENTION.index("rope_cos")  # arguments of an h2o op before the rotary tables
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..config import H2OConfig
 from .generation import model_lock
 
 H2O_FILE = "h2o_model.json"   # beside the transformers checkpoint; not export/onnx.py's h2o_config.json
@@ -27,13 +28,11 @@ _FILE_FORMAT = 1
 IGNORE_INDEX = -100           # transformers' label value for positions without a loss
 # Keyword arguments harnesses pass to a causal LM's forward that change nothing here.
 _IGNORED_FORWARD_ARGS = ("use_cache", "return_dict", "output_attentions", "output_hidden_states")
-# The attributes a forward() call replaces (H2OModel.reset) and puts back afterwards.
-_STREAM_ATTRS = ("plan", "capacity", "max_seq_len", "_fed", "_recent", "layer_capacities", "_warned_positions")
 
 
 class CausalLMInterface:
     """The transformers-facing half of H2OModel (see the module docstring); needs ``self.model``,
-    ``self.h2o_config``, ``reset``, ``step``, ``state_names``-registered buffers."""
+    ``self.h2o_config``, ``reset``, ``step``, ``self.stream`` and ``from_model`` (:func:`optimize`)."""
 
     main_input_name = "input_ids"
     input_modalities = ("text",)
@@ -113,17 +112,12 @@ class CausalLMInterface:
 
     @contextlib.contextmanager
     def _fresh_stream(self):
-        """Run the body on caches of its own; the stream (buffers and counters) of reset/step comes back."""
-        saved = {name: getattr(self, name) for name in _STREAM_ATTRS}
-        buffers = dict(self._buffers)
+        """Run the body on caches of its own; the stream of reset/step comes back."""
+        saved = self.stream
         try:
             yield
         finally:
-            for name in [n for n in self._buffers if n not in buffers]:
-                del self._buffers[name]
-            self._buffers.update(buffers)
-            for name, value in saved.items():
-                setattr(self, name, value)
+            self.stream = saved
 
     # -- continuous batching ------------------------------------------------------------------------------
 
@@ -174,9 +168,6 @@ class CausalLMInterface:
         ``compile`` override what was saved. Nothing is downloaded."""
         from transformers import AutoModelForCausalLM
 
-        from .config import H2OConfig
-        from .runtime import optimize
-
         model_dir = Path(model_dir)
         path = model_dir / H2O_FILE
         if not path.is_file():
@@ -188,7 +179,7 @@ class CausalLMInterface:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).eval()
         if device is not None:
             model = model.to(device)
-        return optimize(model, config=H2OConfig.from_dict(meta["config"]),
+        return cls.from_model(model, config=H2OConfig.from_dict(meta["config"]),
                         compile=meta.get("compile", "auto") if compile is None else compile,
                         regional_compile=meta.get("regional_compile", False), **options)
 
@@ -207,10 +198,8 @@ class CausalLMInterface:
         return self
 
     def _rebuild(self) -> None:
-        from .runtime import optimize
-
         try:
-            fresh = optimize(self.model, config=self.h2o_config, compile=self.compile_mode,
+            fresh = self.from_model(self.model, config=self.h2o_config, compile=self.compile_mode,
                              regional_compile=self.regional_compile)
         except (ValueError, TypeError) as error:  # UnsupportedModelError is a ValueError too
             raise ValueError(f"the wrapped model is now {self.dtype} on {self.device}, but the H2O graph could not be "

@@ -4,14 +4,16 @@ quality commands live in quality/commands.py; the shared flag vocabulary in argu
 from __future__ import annotations
 
 import argparse
+from importlib.metadata import version
 import sys
 import time
 
 from .arguments import (COMPILE_CHOICES, COMPILE_HELP, MODEL_HELP, Parser, add_config_args, compile_choice,
                         config_from_args, csv_of, default_out, parse_budget, require)
-from .config import POLICIES
-from .reporting import print_report
-from .zoo.loading import load_local
+from ..config import POLICIES
+from ..reporting import print_report
+from ..zoo.loading import load_local
+from ..runtime import optimize
 
 
 def parse_prefill(text: str):
@@ -61,7 +63,7 @@ def cmd_generate(args) -> int:
 
     if args.backend == "onnx":
         require("generate --backend onnx", "onnx", "onnxruntime")
-        from .export.ort import H2OOrtModel
+        from ..export.ort import H2OOrtModel
 
         runner = H2OOrtModel.from_pretrained(args.model, native=True if args.native else "auto")
         tokenizer = runner.tokenizer
@@ -70,11 +72,9 @@ def cmd_generate(args) -> int:
         op = "native op" if runner.native else "ONNX function"
         kv_note = f"KV cache (H2O, ONNX Runtime, {op}): {human_bytes(runner.kv_cache_bytes())}"
     else:
-        import h2o_compile
-
         model, tokenizer = load_local(args.model, args.dtype)
         config = config_of(args)
-        runner = h2o_compile.optimize(model, config=config, compile=args.compile)
+        runner = optimize(model, config=config, compile=args.compile)
         kv_note = None
     encoded = tokenizer(args.prompt, return_tensors="pt")
     ids = encoded["input_ids"]
@@ -96,7 +96,7 @@ def cmd_generate(args) -> int:
         total = ids.shape[1] + args.max_new_tokens
         kv_note = (f"KV cache: full {human_bytes(runner.full_cache_bytes(1, total))}, transformers' cache "
                    f"{human_bytes(runner.hf_cache_bytes(1, total))}, H2O {human_bytes(runner.kv_cache_bytes())} "
-                   f"(capacity {runner.capacity} of {total} tokens, policy {config.policy})")
+                   f"(capacity {runner.stream.capacity} of {total} tokens, policy {config.policy})")
     print(kv_note)
     print(f"{new} new tokens in {elapsed:.2f} s: {new / elapsed:.1f} tokens/s (prefill included)")
     return 0
@@ -116,9 +116,9 @@ def cmd_bench(args) -> int:
     import torch
 
     require("bench", "matplotlib")
-    from .bench.decode import BenchSettings, run_bench
-    from .bench.report import write_bench_report
-    from .reporting import command_line
+    from ..bench.decode import BenchSettings, run_bench
+    from ..bench.report import write_bench_report
+    from ..reporting import command_line
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -178,7 +178,7 @@ def add_bench_parser(sub) -> None:
 
 def cmd_export(args) -> int:
     require("export", "onnx", "onnxscript")
-    from .export import export_onnx
+    from ..export import export_onnx
 
     config = config_of(args)  # a bad configuration fails before the model loads
     model, tokenizer = load_local(args.model, args.dtype)
@@ -189,10 +189,8 @@ def cmd_export(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-
     parser = Parser(prog="h2o-compile", description="H2O KV-cache eviction for Hugging Face causal LMs")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('h2o-compile')}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     gen = sub.add_parser("generate", help="generate text with an H2O cache, streaming tokens as they come")
@@ -235,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default=None, help="folder for demo.md / .json / .png (default: print only)")
     demo.set_defaults(func=cmd_demo)
 
-    from .quality.commands import add_quality_parsers  # eval, eval-merge, stream, tasks, tasks-merge
+    from .quality_commands import add_quality_parsers  # eval, eval-merge, stream, tasks, tasks-merge
 
     add_quality_parsers(sub)
     add_bench_parser(sub)
@@ -255,6 +253,3 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..arguments import MODEL_HELP, csv_of, default_out, require
+from .arguments import MODEL_HELP, csv_of, default_out, require
 from ..config import H2OConfig, POLICIES, POSITIONS
 from ..reporting import print_report
 from ..zoo.loading import load_local, model_name
@@ -17,8 +17,8 @@ def cmd_eval(args) -> int:
     args.out = args.out or str(default_out("eval"))
     import torch
 
-    from .report import write_eval_report
-    from .evaluation import EvalSettings, evaluate, read_tail
+    from ..quality.report import write_eval_report
+    from ..quality.evaluation import EvalSettings, evaluate, read_tail
 
     bad = [p for p in args.policies if p not in POLICIES]
     if bad:
@@ -61,8 +61,8 @@ def cmd_stream(args) -> int:
     args.out = args.out or str(default_out("stream"))
     import torch
 
-    from .stream import stream_rule_options, stream_runs
-    from .stream_report import write_stream_report
+    from ..quality.stream import stream_rule_options, stream_runs
+    from ..quality.stream_report import write_stream_report
     from ..zoo.data import encode_stream
 
     for name, values, allowed in (("--policy", args.policy, [p for p in POLICIES if p != "full"]),
@@ -108,8 +108,8 @@ def cmd_stream(args) -> int:
 def cmd_eval_merge(args) -> int:
     require("eval-merge", "matplotlib")
     args.out = args.out or str(default_out("eval-merge"))
-    from .merge import load_run, merge_runs
-    from .report import write_eval_report
+    from ..quality.merge import load_run, merge_runs
+    from ..quality.report import write_eval_report
 
     out = Path(args.out).resolve()
     if any(Path(folder).resolve() == out for folder in args.runs):
@@ -130,9 +130,9 @@ def cmd_tasks(args) -> int:
 
     from ..zoo.data import clean_text
     from ..kernels.quantized import check_kv_dtype
-    from .task_eval import TaskConfig, run_tasks
-    from .task_report import write_task_report
-    from .tasks import TASKS, make_samples, write_samples
+    from ..quality.task_eval import TaskConfig, run_tasks
+    from ..quality.task_report import write_task_report
+    from ..quality.tasks import TASKS, make_samples, write_samples
 
     bad = [t for t in args.tasks if t not in TASKS]
     if bad:
@@ -212,7 +212,7 @@ def cmd_tasks_merge(args) -> int:
     if args.out is not None and any(Path(run).resolve() == Path(args.out).resolve() for run in args.runs):
         raise ValueError(f"tasks-merge: --out {args.out!r} is one of the runs; merging would overwrite it")
     args.out = args.out or str(default_out("tasks-merge"))
-    from .task_merge import merge_task_runs
+    from ..quality.task_merge import merge_task_runs
 
     print_report(merge_task_runs(args.runs, args.out))
     return 0

@@ -21,10 +21,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .config import H2OConfig
-from .kernels.quantized import EMPTY_SCALE
-from .passes.h2o_attention import LayerSpec, state_fields
-from .support import ModelLimits, check_capped_fits, check_rolling_fits, check_sequence_fits
+from ..config import H2OConfig
+from ..kernels.quantized import EMPTY_SCALE
+from ..graph.passes.h2o_attention import LayerSpec, state_fields
+from ..graph.support import ModelLimits, check_capped_fits, check_rolling_fits, check_sequence_fits
 
 
 @dataclass(frozen=True)
@@ -78,8 +78,8 @@ class CachePlan:
         if max_seq_len is not None:
             cls.check_lengths(config, limits, max_seq_len, rolling_block)
             capacity = config.capacity(max_seq_len)
-        shares = config.layer_shares([spec.window for spec in specs], capacity, max_seq_len)
-        layers = tuple(LayerPlan(spec, *config.layer_params(max_seq_len, spec.window, capacity, share))
+        shares = layer_shares(config, [spec.window for spec in specs], capacity, max_seq_len)
+        layers = tuple(LayerPlan(spec, *layer_params(config, max_seq_len, spec.window, capacity, share))
                        for spec, share in zip(specs, shares))
         return cls(layers, capacity, max_seq_len)
 
@@ -97,8 +97,8 @@ class CachePlan:
                               context=f"max_seq_len={max_seq_len} with prefill={config.prefill!r}: ")
         elif rolling_block is not None:  # rolling: the last block of the sequence decides
             block = min(rolling_block, max_seq_len)
-            shares = config.layer_shares(limits.windows, config.capacity(max_seq_len), max_seq_len)
-            slots = max(config.layer_params(max_seq_len, window, share=share)[0]
+            shares = layer_shares(config, limits.windows, config.capacity(max_seq_len), max_seq_len)
+            slots = max(layer_params(config, max_seq_len, window, share=share)[0]
                         for window, share in zip(limits.windows, shares))
             check_rolling_fits(limits, slots, max_seq_len - block, block,
                                context=f"max_seq_len={max_seq_len} with prefill={config.prefill!r}: ")
@@ -141,6 +141,89 @@ class CachePlan:
             slots = int(layer.get("capacity", meta["capacity"]))
             layers.append(LayerPlan(spec, slots, int(layer.get("recent", meta.get("recent", 1))), 0))
         return cls(tuple(layers), int(meta["capacity"]), meta.get("max_seq_len"))
+
+
+def layer_shares(config: H2OConfig, windows: Sequence[int], capacity: Optional[int] = None,
+                 total_len: Optional[int] = None) -> list[float]:
+    """Each layer's slots as a multiple of C (``global_share``), given every layer's sliding window
+    (0 = full attention); all 1.0 by default. With ``capacity`` C (and ``total_len``, None for a stream)
+    the shares of that plan, which holds the uniform split's slots: C per full-attention layer plus
+    min(C, W) per sliding one. Without it, the shares while C <= every window, which any length's plan
+    is checked against first. ValueError when the model lacks one kind of layer or the full-attention
+    layers would take every slot."""
+    windows, share = list(windows), float(config.global_share)
+    if share == 1.0:
+        return [1.0] * len(windows)
+    full = sum(1 for w in windows if w <= 0)
+    sliding = len(windows) - full
+    if not full or not sliding:
+        raise ValueError(f"global_share={config.global_share!r} moves slots between full-attention and "
+                         f"sliding-window layers; this model has {full} full-attention and {sliding} "
+                         "sliding-window layers (use global_share=1.0)")
+    rest = (len(windows) - share * full) / sliding
+    if rest <= 0:
+        raise ValueError(f"global_share={config.global_share!r}: {full} full-attention layers of "
+                         f"{len(windows)} would hold every slot; allowed: below {len(windows) / full:g}")
+    if capacity is not None:
+        rest = _sliding_share(config, windows, capacity, total_len, full, sliding, share)
+    return [rest if w > 0 else share for w in windows]
+
+
+def _sliding_share(config: H2OConfig, windows: list[int], capacity: int, total_len: Optional[int], full: int,
+                   sliding: int, share: float) -> float:
+    """A sliding-window layer's slots as a multiple of C: the uniform split's slots less the full layers'
+    global_share x C (at most the sequence), shared equally (rounded: within half a slot per layer)."""
+    full_slots = layer_params(config, total_len, 0, capacity, share)[0]
+    uniform = sum(layer_params(config, total_len, w, capacity)[0] for w in windows)
+    left = uniform - full * full_slots
+    each = round(left / sliding)
+    if each < 1 or config.sink_tokens + config.recent_window(each) > each:
+        least = next(n for n in range(1, capacity + 2) if config.sink_tokens + config.recent_window(n) <= n)
+        length = "a stream" if total_len is None else f"{total_len} tokens"
+        raise ValueError(f"global_share={config.global_share!r} at C={capacity} slots ({length}): the {full} "
+                         f"full-attention layers' {full_slots} slots each leave {left} of the uniform split's "
+                         f"{uniform} for {sliding} sliding-window layers, {each} each, fewer than the {least} "
+                         f"that sink_tokens ({config.sink_tokens}) and a recent window need; global_share <= "
+                         f"{(uniform - sliding * least) // full / capacity:.4f} leaves them {least}")
+    return left / (sliding * capacity)  # layer_params rounds it x C back to ``each``
+
+
+def layer_params(config: H2OConfig, total_len: Optional[int], window: int, capacity: Optional[int] = None,
+                 share: float = 1.0) -> tuple[int, int, int]:
+    """(capacity, recent window, sink tokens) of one layer for a sequence of ``total_len`` tokens, or,
+    for a stream of unknown length (``total_len`` None), for the fixed ``capacity`` C.
+
+    A full-attention layer (``window`` 0) gets C = capacity(total_len). A sliding-window layer keeps
+    min(W, total_len) slots, all protected (only keys that left the window are evicted: no choice to
+    make), or with ``compress_sliding`` min(C, W) slots under the policy. ``share`` (the layer's entry of
+    :func:`layer_shares`) scales C first: round(share x C), at most total_len.
+    """
+    if total_len is None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity={capacity!r} must be an int >= 1 for a stream without max_seq_len")
+        config.check_split(capacity)
+        cap, total_len = capacity, None
+    else:
+        cap = config.capacity(total_len)
+    if share != 1.0:
+        cap = max(1, round(cap * share))
+        cap = cap if total_len is None else min(cap, total_len)
+    if total_len is None:
+        total_len = window if window > 0 else cap
+    if window <= 0:
+        config.check_split(cap)
+        return cap, config.recent_window(cap), layer_sinks(config, window)
+    if not config.compress_sliding:
+        slots = min(window, total_len)
+        return slots, slots, layer_sinks(config, window)
+    slots = min(cap, window)
+    config.check_split(slots)
+    return slots, config.recent_window(slots), layer_sinks(config, window)
+
+
+def layer_sinks(config: H2OConfig, window: int) -> int:
+    """Sink tokens of a layer: none on a sliding-window layer that keeps its window (it never chooses)."""
+    return 0 if window > 0 and not config.compress_sliding else config.sink_tokens
 
 
 def _numel(shape: tuple[int, ...]) -> int:

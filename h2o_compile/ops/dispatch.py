@@ -1,4 +1,4 @@
-"""Which implementation computes the h2o ops, decided here and nowhere else, and what each backend serves.
+"""Which implementation computes the h2o ops, decided here and nowhere else.
 
 The rule arithmetic lives in kernels/rules.py (torch), export/onnx_function.py (ONNX) and
 export/native/h2o_rule.h (C++); kernels/reference.py is the executable spec in plain PyTorch. This module
@@ -8,11 +8,10 @@ picks, per call:
   Triton is importable, else the reference; ``H2O_COMPILE_BACKEND=reference|triton`` forces one;
 - on the reference backend, the attention of a block (torch's fused CPU attention, kernels/cpu_prefill.py,
   where it applies) and of a decode step (the native CPU op, kernels/native_cpu.py, where it is built);
-- the graph the compiled decode step runs (:func:`decode_step_graph`) and its attention
-  (:func:`compiled_decode_attend`).
+- the decode step: eager or compiled and in which mode (:func:`compile_mode`), how its graph is built
+  (:func:`compiled_step_plan`, :func:`eager_step_plan`) and its attention (:func:`compiled_decode_attend`).
 
-:data:`CAPABILITIES` says which scores, prompt options, entry dtypes and position schemes every backend serves;
-:func:`check_served` refuses a configuration by name before any work.
+What each backend serves is config/capabilities.py's table.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ from typing import Optional
 
 import torch
 
-from .kernels import cpu_prefill, native_cpu, reference
-from .kernels.rules import SCORES
+from ..kernels import cpu_prefill, native_cpu, reference
 
 _BACKEND_ENV = "H2O_COMPILE_BACKEND"
 _FORCED = ("auto", "reference", "triton")
@@ -103,7 +101,7 @@ def _opaque_decode(q, k, v, valid, state, scale, new_pos, *, window, softcap, si
 def h2o_attention_(q, k, v, positions, valid, state, **params):
     """``torch.ops.h2o.attention_``'s computation on the backend of ``q``'s device (params as the op's)."""
     if backend_for(q.device) == "triton":
-        from .kernels import triton_ops
+        from ..kernels import triton_ops
 
         return triton_ops.h2o_attention_(q, k, v, positions, valid, state, **params)
     return reference.h2o_attention_(q, k, v, positions, valid, state, attend_fn=attend_block,
@@ -115,99 +113,47 @@ def h2o_attention(q, k, v, positions, valid, state, **params):
     return reference.h2o_attention(q, k, v, positions, valid, state, attend_fn=attend_block, **params)
 
 
-def decode_step_graph(graph: torch.fx.GraphModule, mode: str, device: torch.device) -> torch.fx.GraphModule:
-    """The graph H2OModel compiles for its one-token step in ``mode``. On the reference backend a copy sharing
-    the weights whose eviction bookkeeping is plain torch ops Inductor fuses (passes.fuse_decode_bookkeeping;
-    the Triton decode kernel fuses it on GPU), on CPU its attention through the native op where it is built
-    and its linear layers as ``weight @ x^T`` or through the native ``rows_linear`` (passes/
-    weight_major_linear.py) unless the mode freezes the weights, which Inductor then prepacks as they are."""
-    from .compiling import freezes_weights
-    from .passes import fuse_decode_bookkeeping, weight_major_linears
-
-    if backend_for(device) != "reference":
-        return graph
-    native = device.type == "cpu" and native_cpu.available()
-    step = fuse_decode_bookkeeping(graph, native=native)
-    if device.type == "cpu" and not freezes_weights(mode, device):
-        weight_major_linears(step, native=native)
-    return step
+def compile_mode(setting, device: torch.device) -> Optional[str]:
+    """The torch.compile mode of the decode step for optimize's ``compile`` setting on ``device``, or None to
+    run eagerly: ``"auto"`` compiles on CUDA only (CUDA graphs), True takes the device's usual mode."""
+    if setting == "auto":
+        setting = device.type == "cuda"
+    if setting is False:
+        return None
+    if setting is True:
+        return "reduce-overhead" if device.type == "cuda" else "default"
+    return setting
 
 
-# -- what every backend serves ------------------------------------------------------------------------------
+def freezes_weights(mode: str, device: torch.device) -> bool:
+    """Whether the compiled step freezes the weights into its code (max-autotune off CUDA), so that Inductor
+    prepacks them for its GEMMs (which needs the linear layers in their usual ``aten.linear`` form)."""
+    return mode == "max-autotune" and device.type != "cuda"
 
 
 @dataclass(frozen=True)
-class Capability:
-    """What one backend serves. ``scores`` None = every registered score (the torch paths call the registry);
-    ``prompt_options``: SnapKV's prompt window and pooling (they need to know which block is the prompt)."""
+class StepPlan:
+    """How the graph of the one-token decode step is built from the model's graph (runtime/compiling.py)."""
 
-    scores: Optional[tuple[str, ...]] = None
-    prompt_options: bool = True
-    kv_dtypes: tuple[str, ...] = ("model", "int8")
-    positions: tuple[str, ...] = ("true", "rolling", "capped")
-    why_not: str = ""  # said with every refusal
-
-    def serves_score(self, score: str) -> bool:
-        return self.scores is None or score in self.scores
+    fuse_bookkeeping: bool  # the eviction bookkeeping as plain torch ops (passes.fuse_decode_bookkeeping)
+    native: bool            # the attention, and with weight_major the linears, through the native CPU ops
+    weight_major: bool      # the linear layers as ``weight @ x^T`` or the native ``rows_linear``
 
 
-_ONNX_WHY = ("the exported graph has no input that marks the prompt block, and the rule's arithmetic is "
-             "written out in ONNX (export/onnx_function.py) and C++ (export/native/h2o_rule.h) for the scores "
-             "listed there only")
-# The scores of export.onnx.ONNX_SCORE_CODES.
-_ONNX = Capability(scores=("sum", "mean", "max"), prompt_options=False, why_not=_ONNX_WHY)
-
-# The backends a user can end up on: optimize() runs the first four (by device and compile), export_onnx() the
-# last three (H2OOrtModel picks the native op when its library is built). "native CPU ops" compute the attention
-# and mass only; the rule around them is the torch code, so they serve what the reference serves.
-CAPABILITIES: dict[str, Capability] = {
-    "reference": Capability(),
-    "compiled CPU step": Capability(),
-    "native CPU ops": Capability(),
-    "Triton": Capability(),
-    "ONNX function": _ONNX,
-    "native ORT CPU": _ONNX,
-    "native ORT CUDA": _ONNX,
-}
+def compiled_step_plan(mode: str, device: torch.device) -> StepPlan:
+    """The compiled step's graph: on the reference backend its bookkeeping fused (the Triton decode kernel fuses
+    it on GPU); on CPU its attention through the native op where it is built, and its linear layers weight-major
+    unless the mode freezes the weights, which Inductor then prepacks as they are."""
+    if backend_for(device) != "reference":
+        return StepPlan(fuse_bookkeeping=False, native=False, weight_major=False)
+    cpu = device.type == "cpu"
+    return StepPlan(fuse_bookkeeping=True, native=cpu and native_cpu.available(),
+                    weight_major=cpu and not freezes_weights(mode, device))
 
 
-def served_by(config) -> list[str]:
-    """The backends that serve every setting of ``config`` (an H2OConfig)."""
-    return [name for name in CAPABILITIES if not _refusals(config, CAPABILITIES[name])]
-
-
-def _refusals(config, cap: Capability) -> list[str]:
-    rule = config.rule
-    scores = [rule.score] + ([rule.sliding_score] if rule.sliding_score else [])
-    refused = [f"score={s!r}" for s in scores if config.policy == "h2o" and not cap.serves_score(s)]
-    if config.scores_prompt_specially and not cap.prompt_options:
-        refused.append(f"prompt_window={rule.prompt_window} / prompt_pool={rule.prompt_pool}")
-    if config.kv_dtype not in cap.kv_dtypes:
-        refused.append(f"kv_dtype={config.kv_dtype!r}")
-    if config.positions not in cap.positions:
-        refused.append(f"positions={config.positions!r}")
-    return refused
-
-
-def check_served(config, backend: str) -> None:
-    """ValueError naming what ``backend`` does not serve of ``config`` and the backends that serve it."""
-    if backend not in CAPABILITIES:
-        raise ValueError(f"backend={backend!r}; known: {', '.join(CAPABILITIES)}")
-    cap = CAPABILITIES[backend]
-    refused = _refusals(config, cap)
-    if refused:
-        why = f" ({cap.why_not})" if cap.why_not else ""
-        raise ValueError(f"{', '.join(refused)} is not served by the {backend}{why}; served by: "
-                         f"{', '.join(served_by(config)) or 'no backend'}")
-
-
-def capability_table() -> str:
-    """The table as Markdown: one row per backend, one column per registered score, then the other options."""
-    head = ["backend"] + [f"score={s}" for s in SCORES] + ["prompt window / pool", "int8 entries", "positions"]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, cap in CAPABILITIES.items():
-        cells = [name] + ["yes" if cap.serves_score(s) else "refused" for s in SCORES]
-        cells += ["yes" if cap.prompt_options else "refused", "yes" if "int8" in cap.kv_dtypes else "refused",
-                  ", ".join(cap.positions)]
-        rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+def eager_step_plan(rows: int) -> StepPlan:
+    """The eager one-token step on CPU: the linears through the native ``rows_linear`` where it is built, else,
+    with two rows or more, as ``weight @ x^T`` (faster at batch >= 2, docs/results/eager_decode_layout_cpu.md);
+    a single row keeps ``aten.linear``, where the measured runs found no consistent difference."""
+    native = native_cpu.available()
+    return StepPlan(fuse_bookkeeping=False, native=native, weight_major=native or rows > 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -86,8 +87,6 @@ def check_causal_lm(model: nn.Module, name: str) -> None:
     ids = (torch.arange(1, _PROBE_TOKENS + 1, device=params.device) % vocab)[None]   # [1, T]
     changed = ids.clone()
     changed[0, -1] = (changed[0, -1] + 1) % vocab
-    from .capture import attention_implementation
-
     model.eval()  # dropout would look like a dependence on later tokens (the capture sets eval() too)
     try:
         # With the attention the capture traces (sdpa / eager): a paged or flash implementation set on the
@@ -165,3 +164,33 @@ def check_capped_fits(limits: ModelLimits, block: int, context: str = "") -> Non
     if limits.max_positions is not None and block > limits.max_positions:
         raise ValueError(f"{context}a block of {block} tokens spans distances beyond the model's "
                          f"max_position_embeddings={limits.max_positions}: use a smaller block (prefill=c)")
+
+
+_ATTN_IMPLS = ("sdpa", "eager")
+
+
+@contextlib.contextmanager
+def attention_implementation(model: nn.Module):
+    """Run the model with SDPA (or eager, when it supports only that) for the capture, then restore the
+    user's choice: the model object is left as it was given."""
+    config = model.config
+    before = getattr(config, "_attn_implementation", None)
+    if before in _ATTN_IMPLS:
+        yield before
+        return
+    try:
+        model.set_attn_implementation("sdpa")
+        chosen = "sdpa"
+    except (ValueError, ImportError, AttributeError):
+        model.set_attn_implementation("eager")
+        chosen = "eager"
+    if before is not None:
+        # H2O replaces the attention anyway; say which implementation the captured graph was traced with.
+        warnings.warn(f"attn_implementation={before!r} cannot be captured; the H2O graph is traced with "
+                      f"{chosen!r} attention (the model itself keeps {before!r})", stacklevel=3)
+    try:
+        yield chosen
+    finally:
+        if before is not None:
+            with contextlib.suppress(ValueError, ImportError, AttributeError):
+                model.set_attn_implementation(before)

@@ -7,7 +7,7 @@ Two flavours of the same computation (see kernels/reference.py for the contract 
 - ``torch.ops.h2o.attention`` takes the state and returns ``(out, key_cache, value_cache, score_cache,
   pos_cache)``; ONNX export uses it, because exported graphs cannot mutate their inputs.
 
-Which kernels compute them is decided in h2o_compile/backends.py.
+Their arguments are declared once in ops/schema.py; which kernels compute them is decided in ops/dispatch.py.
 """
 
 from __future__ import annotations
@@ -17,16 +17,19 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backends
-from .kernels import reference
-from .kernels.rolling import as_tables
+from . import dispatch
+from ..kernels import reference
+from ..kernels.rolling import as_tables
+from .schema import H2O_ATTENTION
+
 
 def check_inputs(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
                  key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
                  recent: int, sinks: int, policy: str, window: int = 0, softcap: float = 0.0,
                  sink_logits: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
-                 key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None) -> None:
-    """Shape / dtype checks with messages that say what was expected (raised as ValueError)."""
+                 key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None, **unchecked) -> None:
+    """Shape / dtype checks with messages that say what was expected (raised as ValueError); ``unchecked``: the
+    op's other arguments (a bound call, ``check_inputs(**H2O_ATTENTION.bind(args, kwargs))``)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be 4-D [B, H, T, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -83,17 +86,20 @@ def _check_quantized(key_cache: Tensor, value_cache: Tensor, key_scale: Optional
                              f"{tuple(scale.shape)}")
 
 
-_STATE_ARGS = ("key_cache", "value_cache", "score_cache", "pos_cache", "key_scale", "value_scale")
+def _checked_state(a: dict):
+    """Check a bound call of the h2o op (``H2O_ATTENTION.bind``); its state as kernels/state.py's object."""
+    check_inputs(**a)
+    return reference.make_state(*(a[n] for n in H2O_ATTENTION.state))
 
 
-@torch.library.custom_op("h2o::attention_", mutates_args=_STATE_ARGS)
-def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
-               key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
-               scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
-               softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
-               rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
-               key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None,
-               max_distance: int = 0) -> Tensor:
+def _params(a: dict) -> dict:
+    """The keyword arguments of the kernels' entry points (``reference.h2o_attention_`` and the others)."""
+    return dict(scale=a["scale"], recent=a["recent"], sinks=a["sinks"], policy=a["policy"], seed=a["seed"],
+                window=a["window"], softcap=a["softcap"], sink_logits=a["sink_logits"], query_from=a["query_from"],
+                rope=as_tables(a["rope_cos"], a["rope_sin"], a["max_distance"]))
+
+
+def _attention_(*args, **kwargs) -> Tensor:
     """In-place H2O attention over a block of T new tokens. Returns out [B, Hq, T, Dv].
 
     ``window`` (sliding window, 0 = none), ``softcap`` (0 = none) and ``sink_logits`` ([Hq] or None) are the
@@ -103,53 +109,40 @@ def attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Option
     eviction rule (kernels/rules.py: a policy name or an ``EvictionRule.spec``); ``query_from`` ([B] int64 or
     None) is given with the prompt block only.
     ``key_scale``/``value_scale`` ([B, Hkv, C] fp32) come with int8 caches (kernels/quantized.py)."""
-    check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
-                 window, softcap, sink_logits, query_from, key_scale, value_scale)
-    state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
-    kind = dict(window=window, softcap=softcap, sink_logits=sink_logits,
-                rope=as_tables(rope_cos, rope_sin, max_distance), query_from=query_from)
-    return backends.h2o_attention_(q, k, v, positions, valid, state, scale=scale, recent=recent, sinks=sinks,
-                                   policy=policy, seed=seed, **kind)
+    a = H2O_ATTENTION.bind(args, kwargs)
+    state = _checked_state(a)
+    return dispatch.h2o_attention_(a["q"], a["k"], a["v"], a["positions"], a["valid"], state, **_params(a))
 
 
-@attention_.register_fake
-def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
-      policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None, rope_sin=None, query_from=None,
-      key_scale=None, value_scale=None, max_distance=0):
-    return q.new_empty(q.shape[:3] + (v.shape[3],))
-
-
-@torch.library.custom_op("h2o::attention", mutates_args=())
-def attention(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
-              key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
-              scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
-              softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
-              rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
-              key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None, max_distance: int = 0
-              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _attention(*args, **kwargs) -> tuple[Tensor, ...]:
     """Functional H2O attention: returns (out, key_cache, value_cache, score_cache, pos_cache, key_scale,
     value_scale), all new; the two scales are empty [0] tensors when the caches are not quantized (an op has
     one output arity)."""
-    check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
-                 window, softcap, sink_logits, query_from, key_scale, value_scale)
-    state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
-    out, new = backends.h2o_attention(q, k, v, positions, valid, state, scale=scale, recent=recent,
-                                      sinks=sinks, policy=policy, seed=seed, window=window, softcap=softcap,
-                                      sink_logits=sink_logits,
-                                      rope=as_tables(rope_cos, rope_sin, max_distance), query_from=query_from)
+    a = H2O_ATTENTION.bind(args, kwargs)
+    state = _checked_state(a)
+    out, new = dispatch.h2o_attention(a["q"], a["k"], a["v"], a["positions"], a["valid"], state, **_params(a))
     fresh = tuple(x.clone() if x is y else x for x, y in zip(new.tensors(), state.tensors()))
-    no_scales = () if state.quantized else (score_cache.new_empty(0), score_cache.new_empty(0))
+    no_scales = () if state.quantized else (a["score_cache"].new_empty(0), a["score_cache"].new_empty(0))
     return (out,) + fresh + no_scales
 
 
-@attention.register_fake
-def _(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, scale, recent, sinks,
-      policy, seed, window=0, softcap=0.0, sink_logits=None, rope_cos=None,
-      rope_sin=None, query_from=None, key_scale=None, value_scale=None, max_distance=0):
-    out = q.new_empty(q.shape[:3] + (v.shape[3],))
-    scales = [score_cache.new_empty(0) if s is None else torch.empty_like(s) for s in (key_scale, value_scale)]
-    return (out, torch.empty_like(key_cache), torch.empty_like(value_cache), torch.empty_like(score_cache),
-            torch.empty_like(pos_cache), *scales)
+def _fake_out(a: dict) -> Tensor:
+    return a["q"].new_empty(a["q"].shape[:3] + (a["v"].shape[3],))
+
+
+def _attention_fake(*args, **kwargs):
+    a = H2O_ATTENTION.bind(args, kwargs)
+    scales = [a["score_cache"].new_empty(0) if a[n] is None else torch.empty_like(a[n])
+              for n in ("key_scale", "value_scale")]
+    return (_fake_out(a), *(torch.empty_like(a[n]) for n in H2O_ATTENTION.state[:4]), *scales)
+
+
+attention_ = torch.library.custom_op("h2o::attention_", _attention_, mutates_args=H2O_ATTENTION.state,
+                                     schema=H2O_ATTENTION.torch_schema("Tensor", mutating=True))
+attention_.register_fake(lambda *args, **kwargs: _fake_out(H2O_ATTENTION.bind(args, kwargs)))
+attention = torch.library.custom_op("h2o::attention", _attention, mutates_args=(),
+                                    schema=H2O_ATTENTION.torch_schema("(" + ", ".join(["Tensor"] * 7) + ")", mutating=False))
+attention.register_fake(_attention_fake)
 
 
 @torch.library.custom_op("h2o::attend_decode", mutates_args=())
@@ -191,26 +184,17 @@ def _(tensors):
     return [torch.empty_like(t) for t in tensors]
 
 
-def decode_fusable_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Optional[Tensor],
-                    key_cache: Tensor, value_cache: Tensor, score_cache: Tensor, pos_cache: Tensor,
-                    scale: float, recent: int, sinks: int, policy: str, seed: int, window: int = 0,
-                    softcap: float = 0.0, sink_logits: Optional[Tensor] = None, rope_cos: Optional[Tensor] = None,
-                    rope_sin: Optional[Tensor] = None, query_from: Optional[Tensor] = None,
-                    key_scale: Optional[Tensor] = None, value_scale: Optional[Tensor] = None,
-                    max_distance: int = 0, native: bool = False) -> Tensor:
+def decode_fusable_(*args, native: bool = False, **kwargs) -> Tensor:
     """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: ``reference.h2o_decode_`` traced
     into the step, so the eviction bookkeeping (reference.evict_and_write_) is plain torch ops that torch.compile
     fuses into the step's generated code (on CPU one loop nest per layer instead of many small eager kernels),
-    around the attention ``backends.compiled_decode_attend`` picks. Same signature and result as the op, plus
+    around the attention ``dispatch.compiled_decode_attend`` picks. Same arguments and result as the op, plus
     ``native``: the attention through the native CPU op (kernels/native_cpu.py; decided when the graph is built,
     since the check that builds the library cannot run inside traced code). The compiled CPU decode graph calls
     this (passes.fuse_decode_bookkeeping)."""
-    check_inputs(q, k, v, positions, valid, key_cache, value_cache, score_cache, pos_cache, recent, sinks, policy,
-                 window, softcap, sink_logits, query_from, key_scale, value_scale)
-    if q.shape[2] != 1:
-        raise ValueError(f"decode_fusable_ takes one token per row (T = 1); got T = {q.shape[2]}")
-    state = reference.make_state(key_cache, value_cache, score_cache, pos_cache, key_scale, value_scale)
-    return reference.h2o_decode_(q, k, v, positions, valid, state, scale=scale, recent=recent, sinks=sinks,
-                                 policy=policy, seed=seed, window=window, softcap=softcap, sink_logits=sink_logits,
-                                 rope=as_tables(rope_cos, rope_sin, max_distance), query_from=query_from,
-                                 attend_decode_fn=backends.compiled_decode_attend(native, state.quantized))
+    a = H2O_ATTENTION.bind(args, kwargs)
+    state = _checked_state(a)
+    if a["q"].shape[2] != 1:
+        raise ValueError(f"decode_fusable_ takes one token per row (T = 1); got T = {a['q'].shape[2]}")
+    return reference.h2o_decode_(a["q"], a["k"], a["v"], a["positions"], a["valid"], state, **_params(a),
+                                 attend_decode_fn=dispatch.compiled_decode_attend(native, state.quantized))

@@ -1,5 +1,5 @@
 """H2OConfig: what to keep in the KV cache, validated once at construction; ScoreRule, the eviction key of
-policy ``h2o`` nested in it. ``H2OConfig.parse`` reads the one string syntax (h2o_compile/presets.py)."""
+policy ``h2o`` nested in it. ``H2OConfig.parse`` reads the one string syntax (config/rule_string.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
-from .kernels.quantized import check_kv_dtype
-from .kernels.rules import SCORES, EvictionRule
+from ..kernels.quantized import check_kv_dtype
+from ..kernels.rules import SCORES, EvictionRule
+from .capabilities import served_by
+from .rule_string import PRESET_OPTIONS, format_options, read_options
 
 POSITIONS = ("true", "rolling", "capped")
 POLICIES = ("h2o", "local", "sink", "random", "full")
@@ -77,8 +79,6 @@ class ScoreRule:
 
 
 def _is_preset(name) -> bool:
-    from .presets import PRESET_OPTIONS
-
     return name in PRESET_OPTIONS
 
 
@@ -187,7 +187,7 @@ class H2OConfig:
         self._check_rule()
         check_kv_dtype(self.kv_dtype)
         if isinstance(self.budget, int):
-            self._check_split(self.budget)
+            self.check_split(self.budget)
 
     def _check_rule(self) -> None:
         if not isinstance(self.rule, ScoreRule):
@@ -237,15 +237,11 @@ class H2OConfig:
     @classmethod
     def parse(cls, text: str) -> "H2OConfig":
         """A config from the rule string: presets, score names and ``name=value`` options joined by ``+``, e.g.
-        ``"recommended"``, ``"tova+budget=0.1"``, ``"max+decay=0.99+prompt_window=64"`` (h2o_compile/presets.py)."""
-        from .presets import parse_options
-
-        return cls.from_options(parse_options(text))
+        ``"recommended"``, ``"tova+budget=0.1"``, ``"max+decay=0.99+prompt_window=64"`` (config/rule_string.py)."""
+        return cls.from_options(read_options(text, cls))
 
     def to_string(self) -> str:
         """The rule string of this config (its fields that differ from the defaults): ``parse`` reads it back."""
-        from .presets import format_options
-
         return format_options(self)
 
     def to_dict(self) -> dict[str, Any]:
@@ -267,9 +263,7 @@ class H2OConfig:
 
     @property
     def served_by(self) -> list[str]:
-        """The backends that serve this config (h2o_compile/backends.py's capability table)."""
-        from .backends import served_by
-
+        """The backends that serve this config (config/capabilities.py)."""
         return served_by(self)
 
     def _check_global_share(self) -> None:
@@ -286,49 +280,6 @@ class H2OConfig:
         if share != 1.0 and self.policy == "full":
             raise ValueError(f"global_share={share!r} with policy='full': every layer keeps every token, there "
                              "are no slots to move")
-
-    def layer_shares(self, windows: Sequence[int], capacity: Optional[int] = None,
-                     total_len: Optional[int] = None) -> list[float]:
-        """Each layer's slots as a multiple of C (``global_share``), given every layer's sliding window
-        (0 = full attention); all 1.0 by default. With ``capacity`` C (and ``total_len``, None for a stream)
-        the shares of that plan, which holds the uniform split's slots: C per full-attention layer plus
-        min(C, W) per sliding one. Without it, the shares while C <= every window, which any length's plan
-        is checked against first. ValueError when the model lacks one kind of layer or the full-attention
-        layers would take every slot."""
-        windows, share = list(windows), float(self.global_share)
-        if share == 1.0:
-            return [1.0] * len(windows)
-        full = sum(1 for w in windows if w <= 0)
-        sliding = len(windows) - full
-        if not full or not sliding:
-            raise ValueError(f"global_share={self.global_share!r} moves slots between full-attention and "
-                             f"sliding-window layers; this model has {full} full-attention and {sliding} "
-                             "sliding-window layers (use global_share=1.0)")
-        rest = (len(windows) - share * full) / sliding
-        if rest <= 0:
-            raise ValueError(f"global_share={self.global_share!r}: {full} full-attention layers of "
-                             f"{len(windows)} would hold every slot; allowed: below {len(windows) / full:g}")
-        if capacity is not None:
-            rest = self._sliding_share(windows, capacity, total_len, full, sliding, share)
-        return [rest if w > 0 else share for w in windows]
-
-    def _sliding_share(self, windows: list[int], capacity: int, total_len: Optional[int], full: int,
-                       sliding: int, share: float) -> float:
-        """A sliding-window layer's slots as a multiple of C: the uniform split's slots less the full layers'
-        global_share x C (at most the sequence), shared equally (rounded: within half a slot per layer)."""
-        full_slots = self.layer_params(total_len, 0, capacity, share)[0]
-        uniform = sum(self.layer_params(total_len, w, capacity)[0] for w in windows)
-        left = uniform - full * full_slots
-        each = round(left / sliding)
-        if each < 1 or self.sink_tokens + self.recent_window(each) > each:
-            least = next(n for n in range(1, capacity + 2) if self.sink_tokens + self.recent_window(n) <= n)
-            length = "a stream" if total_len is None else f"{total_len} tokens"
-            raise ValueError(f"global_share={self.global_share!r} at C={capacity} slots ({length}): the {full} "
-                             f"full-attention layers' {full_slots} slots each leave {left} of the uniform split's "
-                             f"{uniform} for {sliding} sliding-window layers, {each} each, fewer than the {least} "
-                             f"that sink_tokens ({self.sink_tokens}) and a recent window need; global_share <= "
-                             f"{(uniform - sliding * least) // full / capacity:.4f} leaves them {least}")
-        return left / (sliding * capacity)  # layer_params rounds it x C back to ``each``
 
     def layer_rules(self, windows: Sequence[int]) -> list[str]:
         """The ``EvictionRule.spec`` of every layer (``windows``: each layer's sliding window, 0 = full
@@ -381,50 +332,14 @@ class H2OConfig:
             cap = min(self.budget, total_len)
         else:
             cap = max(1, math.ceil(self.budget * total_len))
-        self._check_split(cap)
+        self.check_split(cap)
         return cap
 
     def recent_window(self, capacity: int) -> int:
         """R = max(1, round(C x recent_ratio)): the newest R positions are never evicted."""
         return max(1, round(capacity * self.recent_ratio))
 
-    def layer_params(self, total_len: Optional[int], window: int, capacity: Optional[int] = None,
-                     share: float = 1.0) -> tuple[int, int, int]:
-        """(capacity, recent window, sink tokens) of one layer for a sequence of ``total_len`` tokens, or,
-        for a stream of unknown length (``total_len`` None), for the fixed ``capacity`` C.
-
-        A full-attention layer (``window`` 0) gets C = capacity(total_len). A sliding-window layer keeps
-        min(W, total_len) slots, all protected (only keys that left the window are evicted: no choice to
-        make), or with ``compress_sliding`` min(C, W) slots under the policy. ``share`` (the layer's entry of
-        :meth:`layer_shares`) scales C first: round(share x C), at most total_len.
-        """
-        if total_len is None:
-            if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-                raise ValueError(f"capacity={capacity!r} must be an int >= 1 for a stream without max_seq_len")
-            self._check_split(capacity)
-            cap, total_len = capacity, None
-        else:
-            cap = self.capacity(total_len)
-        if share != 1.0:
-            cap = max(1, round(cap * share))
-            cap = cap if total_len is None else min(cap, total_len)
-        if total_len is None:
-            total_len = window if window > 0 else cap
-        if window <= 0:
-            self._check_split(cap)
-            return cap, self.recent_window(cap), self.layer_sinks(window)
-        if not self.compress_sliding:
-            slots = min(window, total_len)
-            return slots, slots, self.layer_sinks(window)
-        slots = min(cap, window)
-        self._check_split(slots)
-        return slots, self.recent_window(slots), self.layer_sinks(window)
-
-    def layer_sinks(self, window: int) -> int:
-        """Sink tokens of a layer: none on a sliding-window layer that keeps its window (it never chooses)."""
-        return 0 if window > 0 and not self.compress_sliding else self.sink_tokens
-
-    def _check_split(self, capacity: int) -> None:
+    def check_split(self, capacity: int) -> None:
         recent = self.recent_window(capacity)
         if self.sink_tokens + recent > capacity:
             raise ValueError(

@@ -7,8 +7,10 @@ import contextlib
 import torch
 from torch import nn
 
-from .kernels import native_cpu
-from .passes.layer_regions import regional_graph
+from ..graph.passes import fuse_decode_bookkeeping, weight_major_linears
+from ..graph.passes.layer_regions import regional_graph
+from ..kernels import native_cpu
+from ..ops.dispatch import compiled_step_plan, freezes_weights
 
 _COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _COMPILE_CHOICES = ("auto", True, False) + _COMPILE_MODES
@@ -23,10 +25,18 @@ DYNAMIC_SOURCES = (r"L\['recent\d+'\],L\['layer\d+_.*'\]:2,L\['(input_ids|positi
                    r"L\['act\d+'\]:0")
 
 
-def freezes_weights(mode: str, device: torch.device) -> bool:
-    """Whether :func:`compile_step` freezes the weights into the compiled step (max-autotune off CUDA), so that
-    Inductor prepacks them for its GEMMs (which needs the linear layers in their usual ``aten.linear`` form)."""
-    return mode == "max-autotune" and device.type != "cuda"
+def decode_step_graph(graph: torch.fx.GraphModule, mode: str, device: torch.device) -> torch.fx.GraphModule:
+    """The graph H2OModel compiles for its one-token step in ``mode``, as ops/dispatch.py's
+    :func:`~h2o_compile.ops.dispatch.compiled_step_plan` says: a copy sharing the weights whose eviction
+    bookkeeping is plain torch ops Inductor fuses, and whose linear layers are weight-major
+    (passes/weight_major_linear.py); the graph itself where the backend fuses the step on its own (Triton)."""
+    plan = compiled_step_plan(mode, device)
+    if not plan.fuse_bookkeeping:
+        return graph
+    step = fuse_decode_bookkeeping(graph, native=plan.native)
+    if plan.weight_major:
+        weight_major_linears(step, native=plan.native)
+    return step
 
 
 def compile_step(fn, mode: str, device: torch.device, dynamic: bool = False):

@@ -1,0 +1,87 @@
+"""The h2o attention op's arguments, declared once.
+
+Everything that speaks the op derives from :data:`H2O_ATTENTION`: the torch.library schemas of
+``h2o::attention_`` and ``h2o::attention`` (ops/library.py), their fake implementations, the compiled CPU step's
+``decode_fusable_``, the ONNX translation (export/onnx.py) and the graph passes, which read an argument's
+position (:meth:`OpSchema.index`) instead of counting. Shapes and meaning: kernels/reference.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument: its name, its torch schema type (``Tensor``, ``Tensor?``, ``float``, ``int``, ``str``) and
+    its default (:data:`REQUIRED` for none)."""
+
+    name: str
+    type: str
+    default: Any = REQUIRED
+
+
+@dataclass(frozen=True)
+class OpSchema:
+    """An op's arguments in order; ``state``: the tensors the in-place flavour mutates."""
+
+    args: tuple[Arg, ...]
+    state: tuple[str, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.args)
+
+    def index(self, name: str) -> int:
+        """The position of argument ``name`` in a call."""
+        return self.names.index(name)
+
+    def torch_schema(self, returns: str, mutating: bool) -> str:
+        """The torch.library schema string; ``mutating`` marks the state tensors as written in place."""
+        parts = []
+        for a in self.args:
+            kind = a.type.replace("Tensor", "Tensor(a!)", 1) if mutating and a.name in self.state else a.type
+            default = "" if a.default is REQUIRED else f"={'None' if a.default is None else a.default}"
+            parts.append(f"{kind} {a.name}{default}")
+        return f"({', '.join(parts)}) -> {returns}"
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """``{name: value}`` of a call (positional ``args`` in order, then ``kwargs``, then the defaults);
+        TypeError for an unknown or missing argument."""
+        if len(args) > len(self.args):
+            raise TypeError(f"the op takes {len(self.args)} arguments, got {len(args)}")
+        bound = dict(zip(self.names, args))
+        unknown = sorted(set(kwargs) - set(self.names[len(args):]))
+        if unknown:
+            raise TypeError(f"unexpected or repeated arguments {unknown}; the op takes {list(self.names)}")
+        bound.update(kwargs)
+        for a in self.args[len(args):]:
+            if a.name not in bound:
+                if a.default is REQUIRED:
+                    raise TypeError(f"missing argument {a.name!r}")
+                bound[a.name] = a.default
+        return bound
+
+
+H2O_ATTENTION = OpSchema(
+    args=(
+        Arg("q", "Tensor"), Arg("k", "Tensor"), Arg("v", "Tensor"),    # the block: [B, Hq | Hkv, T, D]
+        Arg("positions", "Tensor"), Arg("valid", "Tensor?"),           # [B, T] int64, bool (False = padding)
+        Arg("key_cache", "Tensor"), Arg("value_cache", "Tensor"),      # the layer's state, [B, Hkv, C, ...]
+        Arg("score_cache", "Tensor"), Arg("pos_cache", "Tensor"),
+        Arg("scale", "float"),
+        Arg("recent", "int"), Arg("sinks", "int"), Arg("policy", "str"), Arg("seed", "int"),  # the H2O constants
+        Arg("window", "int", 0), Arg("softcap", "float", 0.0), Arg("sink_logits", "Tensor?", None),  # attention kind
+        Arg("rope_cos", "Tensor?", None), Arg("rope_sin", "Tensor?", None),   # rolling / capped positions
+        Arg("query_from", "Tensor?", None),                                   # the prompt block's window
+        Arg("key_scale", "Tensor?", None), Arg("value_scale", "Tensor?", None),  # int8 entries
+        Arg("max_distance", "int", 0),
+    ),
+    state=("key_cache", "value_cache", "score_cache", "pos_cache", "key_scale", "value_scale"),
+)
+# The H2O constants the passes set per layer (passes/h2o_attention.py), a contiguous run of arguments.
+PARAMS = ("recent", "sinks", "policy", "seed")
+PARAMS_AT = H2O_ATTENTION.index(PARAMS[0])
