@@ -28,8 +28,8 @@ demo: venv
 
 # The API reference, built from the docstrings with pdoc into $(DOCS_OUT) (gitignored).
 DOCS_OUT ?= build/docs
-API_MODULES := h2o_compile h2o_compile.config h2o_compile.presets h2o_compile.backends h2o_compile.export \
-	h2o_compile.runtime
+API_MODULES := h2o_compile h2o_compile.config h2o_compile.config.presets h2o_compile.config.capabilities \
+	h2o_compile.ops.dispatch h2o_compile.export h2o_compile.runtime
 docs: venv
 	$(PY) -m pdoc -o $(DOCS_OUT) $(API_MODULES)
 	@echo "API reference: $(DOCS_OUT)/index.html"

@@ -3,7 +3,7 @@
 Contenders, one new token per row against a Llama-7B-like GQA head config (32 query / 8 KV heads, D = 128):
   triton       triton_ops.h2o_attention_ over C = ceil(budget * context) slots (the kernel's attention and
                per-key mass, then the shared torch bookkeeping: scores, eviction and the slot write)
-  reference    reference.h2o_decode_ over the same C slots (plain PyTorch, the executable spec)
+  reference    reference_decode.h2o_decode_ over the same C slots (plain PyTorch, the executable spec)
   sdpa_budget  F.scaled_dot_product_attention over the C slots (attention only: the speed of light for C)
   sdpa_full    F.scaled_dot_product_attention over the whole context (what a full cache costs)
 
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from h2o_compile.kernels import reference
+from h2o_compile.kernels import reference_decode
 
 HQ, HKV, D = 32, 8, 128
 L2_BYTES = 200 * 2**20  # rotate input sets until this much is touched: well past any GPU's L2
@@ -62,7 +63,7 @@ def make_sets(n_sets, batch, context, cap, dtype, device, seed=0):
 def contenders(cap, recent, with_triton):
     scale = D ** -0.5
     steps = {
-        "reference": lambda s: reference.h2o_decode_(s["q"], s["k"], s["v"], s["positions"], None, s["state"],
+        "reference": lambda s: reference_decode.h2o_decode_(s["q"], s["k"], s["v"], s["positions"], None, s["state"],
                                                      scale=scale, recent=recent, sinks=0, policy="h2o"),
         "sdpa_budget": lambda s: F.scaled_dot_product_attention(s["q"], s["state"].key_cache,
                                                                 s["state"].value_cache, enable_gqa=True),
@@ -132,7 +133,7 @@ def check_triton(cap, recent, sets):
     a = reference.H2OState(*(x.clone() for x in s["state"]))
     b = reference.H2OState(*(x.clone() for x in s["state"]))
     kw = dict(scale=D ** -0.5, recent=recent, sinks=0, policy="h2o")
-    want = reference.h2o_decode_(s["q"], s["k"], s["v"], s["positions"], None, a, **kw)
+    want = reference_decode.h2o_decode_(s["q"], s["k"], s["v"], s["positions"], None, a, **kw)
     got = triton_ops.h2o_attention_(s["q"], s["k"], s["v"], s["positions"], None, b, **kw)
     rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
     return dict(out_rel_err=rel, same_slots=bool(torch.equal(a.pos_cache, b.pos_cache)),

@@ -1,5 +1,5 @@
 """The decode step on CPU through the native ops (kernels/native: the attention, decode_attend.cc, and the linear
-layers, rows_linear.cc) and through torch's operators (``reference.attend_decode``, BLAS), compiled and eager, in
+layers, rows_linear.cc) and through torch's operators (``reference_decode.attend_decode``, BLAS), compiled and eager, in
 one process:
 
     python benchmarks/decode_native.py --out docs/results/decode_native_cpu          # kvbound, batches 1,4,8
@@ -67,6 +67,7 @@ def time_steps(opts: dict, batch: int, total: int, steps: int, rounds: int) -> d
 def time_attention(opt, batch: int, repeats: int = 200) -> dict:
     """The attention op alone (microseconds) at the first layer's shapes once the cache is full."""
     from h2o_compile.kernels import native_cpu, reference
+    from h2o_compile.kernels import reference_decode
     from h2o_compile.graph.support import text_config
 
     key_cache, value_cache, _, pos_cache = opt.layer_states()[0][:4]
@@ -77,7 +78,7 @@ def time_attention(opt, batch: int, repeats: int = 200) -> dict:
     state = reference.make_state(key_cache, value_cache, None, pos_cache)
     calls = {"native": lambda: native_cpu.attend_decode(q, k, v, valid, key_cache, value_cache, pos_cache, d ** -0.5,
                                                         new_pos, 0, 0.0, None),
-             "torch ops": lambda: reference.attend_decode(q, k, v, valid, state, d ** -0.5, new_pos)}
+             "torch ops": lambda: reference_decode.attend_decode(q, k, v, valid, state, d ** -0.5, new_pos)}
     result = {}
     for name, fn in calls.items():
         for _ in range(10):

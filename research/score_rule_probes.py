@@ -32,9 +32,10 @@ import torch
 
 def value_norm() -> None:
     from h2o_compile.kernels import reference
+    from h2o_compile.kernels import reference_decode
     from h2o_compile.kernels.state import H2OState
 
-    evict, compress = reference.evict_and_write_, reference.compress
+    evict, compress = reference_decode.evict_and_write_, reference.compress
 
     def norm(v):
         return torch.linalg.vector_norm(v.float(), ord=1, dim=-1)                # [B, Hkv, S]
@@ -49,16 +50,17 @@ def value_norm() -> None:
                                entries.score_cache * norm(entries.value_cache), entries.pos_cache)
         return compress(entries, newest, cap, **options)
 
-    reference.evict_and_write_, reference.compress = weighted_evict, weighted_compress
+    reference_decode.evict_and_write_, reference.compress = weighted_evict, weighted_compress
 
 
 def group_max() -> None:
     os.environ["H2O_COMPILE_NATIVE_CPU"] = "0"
     from h2o_compile.kernels import reference
+    from h2o_compile.kernels import reference_decode
 
-    source = inspect.getsource(reference.attend_decode)
+    source = inspect.getsource(reference_decode.attend_decode)
     if "probs.sum(dim=2)" not in source:
-        raise SystemExit("reference.attend_decode no longer sums its mass as probs.sum(dim=2); update this probe")
+        raise SystemExit("reference_decode.attend_decode no longer sums its mass as probs.sum(dim=2); update this probe")
     code = compile(source.replace("probs.sum(dim=2)", "probs.amax(dim=2)"), reference.__file__, "exec")
     exec(code, reference.__dict__)
 

@@ -1,7 +1,8 @@
-"""The capability table (h2o_compile/backends.py), the presets and the rule string (h2o_compile/presets.py): every
-(backend, score) pair is served or refused by name, the entry points check the table before any work, presets
-and strings round-trip. Whether a served pair computes the contract is tested per backend against the float64
-simulation (tests/kernels/test_score_rules.py) or the reference (tests/export/, rules from the same table)."""
+"""The capability table (h2o_compile/config/capabilities.py), the presets and the rule string
+(h2o_compile/config/rule_string.py): every (backend, score) pair is served or refused by name, the entry points
+check the table before any work, presets and strings round-trip. Whether a served pair computes the contract is
+tested per backend against the float64 simulation (tests/kernels/test_score_rules.py) or the reference
+(tests/export/, rules from the same table)."""
 
 from __future__ import annotations
 

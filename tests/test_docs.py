@@ -103,7 +103,7 @@ def test_the_api_reference_builds(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     page = (tmp_path / "h2o_compile.html").read_text(encoding="utf-8")
     assert "optimize" in page and "H2OConfig" in page
-    assert (tmp_path / "h2o_compile" / "presets.html").is_file()
+    assert (tmp_path / "h2o_compile" / "config" / "presets.html").is_file()
 
 
 def test_the_readme_quick_start_runs_as_written(tmp_path):

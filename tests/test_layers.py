@@ -5,6 +5,8 @@ section 3)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,13 @@ def test_the_checks_can_fail(tmp_path):
         test_no_import_circle(cyclic)
     with pytest.raises(AssertionError, match="against the layers"):
         test_imports_follow_the_layers(cyclic)
+
+
+def test_importing_the_package_loads_neither_dynamo_nor_triton():
+    """Triton reads TRITON_INTERPRET when triton.language is first imported (tests/kernels/conftest.py sets it):
+    ``import h2o_compile`` must not import it, nor torch._dynamo, which imports it."""
+    code = ("import sys, h2o_compile, h2o_compile.cli, h2o_compile.bench.serve_continuous; "
+            "print(sorted(m for m in ('triton', 'torch._dynamo') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

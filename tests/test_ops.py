@@ -70,7 +70,7 @@ def test_bad_inputs_raise_value_error(mutate, match):
 
 
 def test_materialize_returns_equal_copies_that_share_no_memory():
-    """h2o::materialize (ops.py) must not change a value, only where the compiled graph computes it."""
+    """h2o::materialize (ops/library.py) must not change a value, only where the compiled graph computes it."""
     a = torch.randn(2, 3, 5)[:, :, ::2]                        # non-contiguous, as the rotated query may be
     b = torch.arange(6.0).reshape(2, 3)
     copies = torch.ops.h2o.materialize([a, b])

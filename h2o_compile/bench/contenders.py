@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from .machine import synchronize
 from ..kernels.quantized import quantize
 from ..runtime import optimize
+from ..runtime.compiling import compile_step
 
 
 def kv_geometry(model: nn.Module) -> tuple[int, int, int]:
@@ -124,8 +125,6 @@ class HFContender:
             self.cache.update(keys, values, i)
         self.batch, self.total, self.context, self.capacity = batch, total, context, total
         if self._fn is None:
-            from ..runtime.compiling import compile_step  # the same settings H2OModel compiles its step with
-
             self._fn = (compile_step(self.model.forward, self.mode or "default", weight.device) if self.compile
                         else self.model.forward)
 

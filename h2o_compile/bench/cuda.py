@@ -29,6 +29,7 @@ from torch import nn
 from .decode import BenchSettings, build_model, run_decode
 from .contenders import H2OContender, HFContender
 from .machine import measure_bandwidth, parameter_bytes, peak_memory_kib, reset_peak_memory
+from ..reporting import machine_description
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -169,8 +170,6 @@ def run_graphs(model: nn.Module, s: CudaBenchSettings, bandwidth: float, log=pri
 def run_cuda_bench(s: CudaBenchSettings, parts=("graphs", "memory_cap"), log=print, after_part=None) -> dict:
     """Both measurements on ``s.device``; a JSON-ready dict (see bench.report.cuda_markdown). ``after_part``
     is called with the result so far after each part (a caller can write it, so a timeout keeps that part)."""
-    from ..reporting import machine_description
-
     runs = {"graphs": (run_graphs, f"CUDA graphs on/off, batch {s.batch}, total {s.total}"),
             "memory_cap": (run_memory_cap, f"largest batch under {s.memory_cap_gib:g} GiB")}
     unknown = [p for p in parts if p not in runs]

@@ -34,6 +34,9 @@ from .machine import (apply_roofline, cpu_ticks, foreign_cores, measure_bandwidt
                             reset_peak_memory, roofline_seconds, summarize_bandwidth, synchronize,
                             weight_bytes_per_step)
 from .machine import wait_for_quiet as _wait
+from ..zoo import MODELS
+from ..zoo.loading import load_local
+from ..reporting import machine_description
 
 __all__ = ["BenchSettings", "build_model", "headline", "roofline_seconds", "run_bench", "run_decode",
            "run_prefill", "weight_bytes_per_step"]
@@ -96,8 +99,6 @@ def check_model_name(name: str) -> None:
     config.json or a .gguf file."""
     from pathlib import Path
 
-    from ..zoo import MODELS
-
     path = Path(name)
     local = (path / "config.json").is_file() or (path.suffix == ".gguf" and path.is_file())
     if name not in MODEL_NAMES and name not in MODELS and not local:
@@ -109,8 +110,6 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
     """``kvbound`` or ``smoke`` (random Llamas, seeded), else what ``--model`` loads everywhere: a shipped model
     (``tiny``, ``gemma3-270m``), a local folder or a .gguf file (zoo/loading.py)."""
     if name not in ("kvbound", "smoke"):
-        from ..zoo.loading import load_local
-
         return load_local(name)[0]
     import transformers
 
@@ -251,8 +250,6 @@ def profile_step(contender, tokens, context: int, row_limit: int = 15) -> str:
 
 def run_bench(settings: BenchSettings, log=print) -> dict:
     """The whole benchmark; returns the result dict (see bench.report for how it is written)."""
-    from ..reporting import machine_description
-
     begin = time.perf_counter()
     waited = wait_for_quiet(settings, log)
     samples = [measure_bandwidth(settings.bandwidth_mib)]

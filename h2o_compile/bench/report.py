@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..reporting import command_line, markdown_table, write_json
+from ..reporting import command_line, markdown_table, plot_bars, write_json
 
 TARGETS = {  # headline key -> (target, "higher" | "lower", wording)
     "speedup_vs_eager_full": (3.0, "higher", "tokens/s vs transformers eager DynamicCache (full cache)"),
@@ -224,8 +224,6 @@ def cuda_markdown(result: dict, command: str) -> str:
 
 def cuda_plot(path: Path, result: dict) -> None:
     """tokens/s bars: graphs on and off, then each contender at its largest batch under the cap."""
-    from ..reporting import plot_bars
-
     bars = [(r["contender"], r["tokens_per_s"]) for r in result["graphs"]]
     bars += [(f"{r['contender']} @ B={r['batch']} (cap)", r.get("tokens_per_s", 0.0)) for r in result["memory_cap"]]
     if bars:

@@ -33,6 +33,8 @@ import torch
 
 from .decode import build_model, check_model_name
 from ..runtime import optimize
+from .machine import peak_rss_kib
+from ..reporting import markdown_table, plot_lines
 
 CONTENDERS = ("h2o-compiled", "h2o-compiled-by-layer", "h2o-max-autotune", "h2o-eager", "hf-dynamic",
               "hf-static-compile")
@@ -177,8 +179,6 @@ def run_contender(name: str, settings: ServeSettings, progress: bool = True) -> 
     """Serve the whole stream with one contender (call in a fresh process); returns its measurements."""
     from tqdm.auto import tqdm
 
-    from .machine import peak_rss_kib
-
     torch.manual_seed(settings.seed)
     model = load_model(settings.model, settings.device)
     vocab = int(getattr(model.config, "vocab_size", None) or model.get_output_embeddings().out_features)
@@ -285,8 +285,6 @@ def kv_ratios(row: dict) -> tuple[float, float] | None:
 def serve_report(result: dict, command: str, machine: str, targets: tuple[float, float] = DEFAULT_TARGETS) -> str:
     """The markdown page of a run of :func:`run_serve`; ``targets``: the total wall-time speed-ups of
     compiled H2O rows over hf-dynamic and hf-static-compile the page checks."""
-    from ..reporting import markdown_table
-
     s, rows = result["settings"], {r["contender"]: r for r in result["results"]}
     lines = [f"# Serving a request stream on {s['device'].upper()}: {s['model']}", "",
              f"Command: `{command}`  ", f"Machine: {machine}", "",
@@ -352,8 +350,6 @@ def _cache_sentence(inductor_cache: str) -> str:
 
 def plot_serve(result: dict, path: Path) -> None:
     """Seconds since the stream started after each batch, one line per contender (compiles show as steps)."""
-    from ..reporting import plot_lines
-
     series = {}
     for r in result["results"]:
         elapsed, xs, ys = 0.0, [], []

@@ -38,6 +38,10 @@ from pathlib import Path
 
 import torch
 from ..runtime import optimize
+from .serve import _FirstToken, left_pad, load_model, random_prompt
+from .machine import peak_rss_kib
+from ..reporting import markdown_table, plot_lines
+from .decode import check_model_name
 
 CONTENDERS = ("h2o-continuous", "h2o-groups", "hf-continuous", "hf-groups")
 
@@ -58,8 +62,6 @@ class ContinuousSettings:
     contenders: list = field(default_factory=lambda: list(CONTENDERS))
 
     def __post_init__(self):
-        from .decode import check_model_name
-
         check_model_name(self.model)
         bad = [c for c in self.contenders if c not in CONTENDERS]
         if bad or not self.contenders:
@@ -96,8 +98,6 @@ class Arrival:
 
 def make_stream(s: ContinuousSettings, vocab: int) -> list[Arrival]:
     """The seeded stream (module docstring), in arrival order."""
-    from .serve import random_prompt
-
     rng, gen = random.Random(s.seed), torch.Generator().manual_seed(s.seed)
     at, stream = 0.0, []
     for i in range(s.requests):
@@ -178,8 +178,6 @@ def _hf_continuous(model, stream, s, on_first_done):
 
 def _groups(model, stream, s, on_first_done, h2o: bool):
     """Fixed groups of ``rows`` in arrival order, each one left-padded generate (module docstring)."""
-    from .serve import _FirstToken, left_pad
-
     if h2o:
         opt = optimize(model, budget=s.capacity, compile=s.compile)
         opt.generate(torch.tensor([stream[0].prompt[:16]] * s.rows), max_new_tokens=3, do_sample=False)  # warm-up
@@ -202,9 +200,6 @@ def _groups(model, stream, s, on_first_done, h2o: bool):
 
 def run_contender(name: str, s: ContinuousSettings) -> dict:
     """Serve the stream with one contender (call in a fresh process); returns its measurements."""
-    from .machine import peak_rss_kib
-    from .serve import load_model
-
     torch.manual_seed(s.seed)
     model = load_model(s.model, "cpu", keep_eos=True)
     eos = model.generation_config.eos_token_id
@@ -271,8 +266,6 @@ def run_continuous(s: ContinuousSettings, log=print) -> dict:
 
 def continuous_report(result: dict, command: str, machine: str) -> str:
     """The markdown page of a run of :func:`run_continuous`, with the issue's targets checked."""
-    from ..reporting import markdown_table
-
     s, rows = result["settings"], {r["contender"]: r for r in result["results"]}
     settings = ContinuousSettings(**s)
     lines = [f"# Continuous batching on CPU: {s['model']}", "", f"Command: `{command}`  ", f"Machine: {machine}", "",
@@ -312,8 +305,6 @@ def continuous_report(result: dict, command: str, machine: str) -> str:
 
 def plot_continuous(result: dict, path: Path) -> None:
     """Each contender's latency distribution: the share of requests done within x seconds of arriving."""
-    from ..reporting import plot_lines
-
     series = {}
     for r in result["results"]:
         latencies = sorted(q["latency_s"] for q in r["requests"])

@@ -11,9 +11,14 @@ import time
 from .arguments import (COMPILE_CHOICES, COMPILE_HELP, MODEL_HELP, Parser, add_config_args, compile_choice,
                         config_from_args, csv_of, default_out, parse_budget, require)
 from ..config import POLICIES
-from ..reporting import print_report
+from ..reporting import command_line, print_report
 from ..zoo.loading import load_local
 from ..runtime import optimize
+from .demo import run_demo
+from ..bench.decode import BenchSettings, run_bench
+from ..bench.report import write_bench_report
+from ..export import export_onnx
+from .quality_commands import add_quality_parsers
 
 
 def parse_prefill(text: str):
@@ -103,8 +108,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
-
     if args.out:
         require("demo --out", "matplotlib")
     run_demo(model=args.model, out_dir=args.out, new_tokens=args.max_new_tokens, budget=args.budget)
@@ -116,10 +119,6 @@ def cmd_bench(args) -> int:
     import torch
 
     require("bench", "matplotlib")
-    from ..bench.decode import BenchSettings, run_bench
-    from ..bench.report import write_bench_report
-    from ..reporting import command_line
-
     if args.threads:
         torch.set_num_threads(args.threads)
     smoke = dict(models=["smoke"], batches=[1, 2], totals=[64, 128], steps=4, warmup=2, repeats=2,
@@ -178,8 +177,6 @@ def add_bench_parser(sub) -> None:
 
 def cmd_export(args) -> int:
     require("export", "onnx", "onnxscript")
-    from ..export import export_onnx
-
     config = config_of(args)  # a bad configuration fails before the model loads
     model, tokenizer = load_local(args.model, args.dtype)
     out = export_onnx(model, args.out or default_out("export"), config=config, max_seq_len=args.max_seq_len,
@@ -232,8 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--budget", type=float, default=0.2, help="fraction of the sequence kept")
     demo.add_argument("--out", default=None, help="folder for demo.md / .json / .png (default: print only)")
     demo.set_defaults(func=cmd_demo)
-
-    from .quality_commands import add_quality_parsers  # eval, eval-merge, stream, tasks, tasks-merge
 
     add_quality_parsers(sub)
     add_bench_parser(sub)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from ..reporting import command_line, machine_description, markdown_table, write_json
+from ..reporting import command_line, machine_description, markdown_table, plot_bars, write_json
 from ..runtime import optimize
+from ..zoo import load_model
 
 # Our own prompts, in the registers the shipped tiny model was trained on (encyclopedia prose and a novel).
 DEMO_PROMPTS = (
@@ -54,8 +55,6 @@ def run_demo(model: str = "gemma3-270m", out_dir=None, new_tokens: int = 64, bud
 
     H2O compresses every layer to the budget, sliding-window layers included (``compress_sliding``): the
     prompts are shorter than Gemma 3's 512-token window, so a window cache alone would keep everything."""
-    from ..zoo import load_model
-
     torch.manual_seed(0)
     hf_model, tokenizer = load_model(model)
     contenders = {"full cache": optimize(hf_model, budget=1.0, policy="full", compile=False),
@@ -85,8 +84,6 @@ def run_demo(model: str = "gemma3-270m", out_dir=None, new_tokens: int = 64, bud
 
 
 def _write(out: Path, rows, records, new_tokens, budget, model) -> None:
-    from ..reporting import plot_bars
-
     header = {"command": command_line(), "machine": machine_description(), "model": model,
               "new_tokens": new_tokens, "budget": budget}
     write_json(out / "demo.json", {**header, "results": records})

@@ -10,15 +10,23 @@ from .arguments import MODEL_HELP, csv_of, default_out, require
 from ..config import H2OConfig, POLICIES, POSITIONS
 from ..reporting import print_report
 from ..zoo.loading import load_local, model_name
+from ..quality.report import write_eval_report
+from ..quality.evaluation import EvalSettings, evaluate, read_tail
+from ..zoo.data import clean_text, encode_stream, read_corpus
+from ..quality.stream import stream_rule_options, stream_runs
+from ..quality.stream_report import write_stream_report
+from ..quality.merge import load_run, merge_runs
+from ..kernels.quantized import check_kv_dtype
+from ..quality.task_eval import run_tasks, TaskConfig
+from ..quality.task_report import write_task_report
+from ..quality.tasks import make_samples, TASKS, write_samples
+from ..quality.task_merge import merge_task_runs
 
 
 def cmd_eval(args) -> int:
     require("eval", "matplotlib")
     args.out = args.out or str(default_out("eval"))
     import torch
-
-    from ..quality.report import write_eval_report
-    from ..quality.evaluation import EvalSettings, evaluate, read_tail
 
     bad = [p for p in args.policies if p not in POLICIES]
     if bad:
@@ -34,8 +42,6 @@ def cmd_eval(args) -> int:
                             compress_sliding=args.compress_sliding, h2o_sinks=args.h2o_sinks,
                             h2o_rules=args.h2o_rules, kv_dtypes=args.kv_dtypes)
     if args.heldout is not None:
-        from ..zoo.data import read_corpus
-
         texts = read_corpus(args.text, heldout_frac=args.heldout)[1]
         names = [f"{Path(p).name} (held-out last {args.heldout:.0%}, cleaned as in training)" for p in args.text]
     else:
@@ -60,10 +66,6 @@ def cmd_stream(args) -> int:
     require("stream", "matplotlib")
     args.out = args.out or str(default_out("stream"))
     import torch
-
-    from ..quality.stream import stream_rule_options, stream_runs
-    from ..quality.stream_report import write_stream_report
-    from ..zoo.data import encode_stream
 
     for name, values, allowed in (("--policy", args.policy, [p for p in POLICIES if p != "full"]),
                                   ("--positions", args.positions, list(POSITIONS))):
@@ -108,9 +110,6 @@ def cmd_stream(args) -> int:
 def cmd_eval_merge(args) -> int:
     require("eval-merge", "matplotlib")
     args.out = args.out or str(default_out("eval-merge"))
-    from ..quality.merge import load_run, merge_runs
-    from ..quality.report import write_eval_report
-
     out = Path(args.out).resolve()
     if any(Path(folder).resolve() == out for folder in args.runs):
         raise ValueError(f"--out {args.out} is one of the runs to merge: it would overwrite that run's report")
@@ -127,12 +126,6 @@ def cmd_tasks(args) -> int:
     require("tasks", "matplotlib")
     args.out = args.out or str(default_out("tasks"))
     import torch
-
-    from ..zoo.data import clean_text
-    from ..kernels.quantized import check_kv_dtype
-    from ..quality.task_eval import TaskConfig, run_tasks
-    from ..quality.task_report import write_task_report
-    from ..quality.tasks import TASKS, make_samples, write_samples
 
     bad = [t for t in args.tasks if t not in TASKS]
     if bad:
@@ -212,8 +205,6 @@ def cmd_tasks_merge(args) -> int:
     if args.out is not None and any(Path(run).resolve() == Path(args.out).resolve() for run in args.runs):
         raise ValueError(f"tasks-merge: --out {args.out!r} is one of the runs; merging would overwrite it")
     args.out = args.out or str(default_out("tasks-merge"))
-    from ..quality.task_merge import merge_task_runs
-
     print_report(merge_task_runs(args.runs, args.out))
     return 0
 

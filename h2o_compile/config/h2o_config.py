@@ -340,6 +340,7 @@ class H2OConfig:
         return max(1, round(capacity * self.recent_ratio))
 
     def check_split(self, capacity: int) -> None:
+        """ValueError when ``capacity`` slots cannot hold the sinks and the recent window this config asks for."""
         recent = self.recent_window(capacity)
         if self.sink_tokens + recent > capacity:
             raise ValueError(

@@ -133,7 +133,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, config=None, max_seq_len: 
         config: an H2OConfig, preset name or rule string (as :func:`optimize`); default: the H2OModel's own
             config, else the paper's. ``**options``: H2OConfig / ScoreRule fields applied on top. What the ONNX
             backends do not serve (a prompt window: the exported graph has no input marking the prompt block;
-            a score outside the ONNX function's) is refused by name (h2o_compile/backends.py). ``prefill`` is
+            a score outside the ONNX function's) is refused by name (h2o_compile/config/capabilities.py). ``prefill`` is
             recorded for the ORT model.
         max_seq_len: the longest prompt + new tokens the export serves (default: the model's
             max_position_embeddings, at most 2048). Fixes the capacity C = capacity(max_seq_len) (and each

@@ -6,7 +6,7 @@ loaded as ``torch.ops.h2o_cpu.*``:
   rule that reads scores pays a second q.k product over the causal triangle (cpu_prefill._key_mass); this op
   keeps each tile of queries' probabilities in cache and reads them twice: the P.V product and the column sums
   (or, for ``score="max"``, each query's sum over its group's heads and then the column maximum).
-- ``attend_decode`` (decode_attend.cc): the decode step's attention and mass (``reference.attend_decode``) in
+- ``attend_decode`` (decode_attend.cc): the decode step's attention and mass (``reference_decode.attend_decode``) in
   one call per layer instead of about fifteen small eager operators, whose dispatch costs more than their
   arithmetic at decode sizes.
 - ``rows_linear`` (rows_linear.cc): a linear layer over the decode step's few rows, each weight read once while
@@ -14,7 +14,7 @@ loaded as ``torch.ops.h2o_cpu.*``:
 
 Where the library cannot be built (no compiler, a torch without its headers) both paths keep their torch
 implementations (same results) and say so once, in a warning naming the compiler's message;
-``H2O_COMPILE_NATIVE_CPU=0`` turns the ops off (``H2O_COMPILE_NATIVE_PREFILL=0``, the older name, too).
+``H2O_COMPILE_NATIVE_CPU=0`` turns the ops off (one switch, like ``H2O_COMPILE_BACKEND``: ops/dispatch.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent / "native"
 SOURCES = ("prefill_mass.cc", "decode_attend.cc", "rows_linear.cc")
 HEADERS = ("vec_math.h",)
 QUERY_TILE = 64  # prefill queries per tile: their logits ([64, S] fp32, 1 MiB at S = 4096) stay in L2 / L3
-OFF_SWITCHES = ("H2O_COMPILE_NATIVE_CPU", "H2O_COMPILE_NATIVE_PREFILL")
+OFF_SWITCH = "H2O_COMPILE_NATIVE_CPU"
 DECODE_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 _state: dict[str, object] = {}  # "loaded": bool once tried; "why": the reason it is unavailable
@@ -68,11 +68,10 @@ def library_path(*, rebuild: bool = False) -> Path:
 
 def available() -> bool:
     """Whether the ops are loaded (building and loading them on the first call). False, with one warning naming
-    the reason, when they cannot be built; False without one when switched off (``OFF_SWITCHES`` = 0)."""
+    the reason, when they cannot be built; False without one when switched off (``OFF_SWITCH`` = 0)."""
     if "loaded" not in _state:
-        off = [name for name in OFF_SWITCHES if os.environ.get(name, "1") == "0"]
-        if off:
-            _state.update(loaded=False, why=f"{off[0]}=0")
+        if os.environ.get(OFF_SWITCH, "1") == "0":
+            _state.update(loaded=False, why=f"{OFF_SWITCH}=0")
             return False
         try:
             path = library_path()
@@ -135,7 +134,7 @@ def decodes(q: Tensor, key_cache: Tensor, value_cache: Tensor) -> bool:
 def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, key_cache: Tensor, value_cache: Tensor,
                   pos_cache: Tensor, scale: float, new_pos: Optional[Tensor], window: int = 0, softcap: float = 0.0,
                   sink_logits: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """``reference.attend_decode`` for a float cache in one native call (no check that the ops are built: the
+    """``reference_decode.attend_decode`` for a float cache in one native call (no check that the ops are built: the
     caller asked :func:`decodes`, outside any traced code, so that a compiled step can call this).
 
     Args:

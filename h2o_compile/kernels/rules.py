@@ -4,7 +4,7 @@ Every torch path calls these functions: the reference op (kernels/reference.py),
 (ops.decode_fusable_, fused by Inductor) and the bookkeeping around the Triton kernels (kernels/triton_ops.py),
 whose kernels only return the attention output and the per-key mass. The ONNX function
 (export/onnx_function.py) is the copy in ONNX ops, and export/native/h2o_rule.h the one in C++ that the native
-ONNX Runtime op's CPU and CUDA kernels share; h2o_compile/backends.py says which backend serves which score.
+ONNX Runtime op's CPU and CUDA kernels share; config/capabilities.py says which backend serves which score.
 
 A rule travels through the op boundary as a string (custom ops take primitive arguments only),
 :attr:`EvictionRule.spec`, in the config's rule syntax: a policy name (``"h2o"`` is the paper's rule) optionally
@@ -80,7 +80,7 @@ SCORES: dict[str, Score] = {}
 
 def register_score(score: Score) -> Score:
     """Add ``score`` to :data:`SCORES`; the torch paths (reference, compiled CPU step, Triton bookkeeping) serve it
-    at once, the others refuse it by name until their capability entry lists it (h2o_compile/backends.py)."""
+    at once, the others refuse it by name until their capability entry lists it (h2o_compile/config/capabilities.py)."""
     if score.name in SCORES:
         raise ValueError(f"score {score.name!r} is registered already")
     SCORES[score.name] = score

@@ -77,7 +77,7 @@ def empty_state(batch, kv_heads, capacity, head_dim, *, value_dim=None, dtype=to
 
 def readable(state: H2OState, dtype: torch.dtype) -> H2OState:
     """The state as attention reads it: quantized keys and values dequantized to ``dtype`` (a copy; the block
-    path only, the decode step dequantizes slot chunks inside ``reference.attend_decode``)."""
+    path only, the decode step dequantizes slot chunks inside ``reference_decode.attend_decode``)."""
     if not state.quantized:
         return state
     return H2OState(dequantize(state.key_cache, state.key_scale, dtype),

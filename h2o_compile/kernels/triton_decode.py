@@ -1,8 +1,8 @@
 """Triton decode step (T = 1) of H2O attention: split-K attention and the per-key probability mass.
 
-The attention half of ``reference.h2o_decode_`` (``reference.attend_decode``: output and mass), in two launches;
-the scores, the eviction choice and the slot write are ``reference.evict_and_write_``, the torch code every
-backend shares (kernels/rules.py), which Inductor fuses into the compiled decode step:
+The attention half of ``reference_decode.h2o_decode_`` (``reference_decode.attend_decode``: output and mass),
+in two launches; the scores, the eviction choice and the slot write are ``reference_decode.evict_and_write_``,
+the torch code every backend shares (kernels/rules.py), which Inductor fuses into the compiled decode step:
 
 1. ``_decode_partial_kernel``, grid (splits, B * Hkv): the G query heads of a KV group against one split of
    the C cached slots (flash-decoding). Writes the split's running max / sum of exponentials / unnormalised
@@ -78,7 +78,7 @@ def soft_cap(s, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _visible_slots(kpos, qpos, qvalid, n_mask, WINDOW: tl.constexpr):
-    """As reference.attend_decode: every filled slot is visible (it is older than the new token), except, on a
+    """As reference_decode.attend_decode: every filled slot is visible (it is older than the new token), except, on a
     sliding layer, those at or before qpos - W."""
     # (scalar-bool & vector-bool is mis-typed by the interpreter, so the row flag goes through where)
     vis = tl.where(qvalid, (kpos >= 0) & n_mask, False)
@@ -278,7 +278,7 @@ def decode_config(cap: int, batch_heads: int, dtype: torch.dtype, device: torch.
 def decode_attend(q, k, v, positions, valid, key_cache, value_cache, pos_cache, *, scale: float,
                   split_size: int = 0, window: int = 0, softcap: float = 0.0, sink_logits=None,
                   key_scale=None, value_scale=None):
-    """The attention of one new token per row, and the mass every key received: ``reference.attend_decode``.
+    """The attention of one new token per row, and the mass every key received: ``reference_decode.attend_decode``.
 
     Args:
         q: [B, Hq, 1, D]; k: [B, Hkv, 1, D]; v: [B, Hkv, 1, Dv] (fp32 / fp16 / bf16).

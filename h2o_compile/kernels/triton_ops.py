@@ -4,7 +4,7 @@
 compiled graph, and CUDA graphs capture them with the rest of the decode step:
 
 - ``torch.ops.h2o.triton_decode_attend``: one new token per row against the cache: output and per-key mass
-  (kernels/triton_decode.py); scores, eviction and the slot write are then ``reference.evict_and_write_``.
+  (kernels/triton_decode.py); scores, eviction and the slot write are then ``reference_decode.evict_and_write_``.
 - ``torch.ops.h2o.triton_prefill``: attention of a block over (cache + block) and the per-key mass
   (kernels/triton_prefill.py); eviction down to C is then ``reference.compress`` in torch ops.
 
@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.library import triton_op
 
 from . import reference
+from . import reference_decode
 from .rolling import RopeTables
 from .triton_decode import decode_attend
 from .triton_prefill import prefill_attend
@@ -59,9 +60,9 @@ def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Op
                    seed: int = 0, window: int = 0, softcap: float = 0.0, sink_logits: Optional[Tensor] = None,
                    rope: Optional[RopeTables] = None, query_from: Optional[Tensor] = None,
                    split_size: int = 0) -> Tensor:
-    """In-place H2O attention with the Triton kernels; the contract of ``reference.h2o_attention_``.
+    """In-place H2O attention with the Triton kernels; the contract of ``reference_decode.h2o_attention_``.
 
-    ``reference.h2o_attention_`` with the Triton kernels as its attention: they compute the attention and each
+    ``reference_decode.h2o_attention_`` with the Triton kernels as its attention: they compute the attention and each
     key's mass; the scores, the eviction and the writes are the reference's torch code (``evict_and_write_``
     for a decode step, ``block_scores`` + ``compress`` for a block), so every rule is written once
     (kernels/rules.py). A quantized state's int8 entries are read by the decode kernel directly.
@@ -78,14 +79,14 @@ def h2o_attention_(q: Tensor, k: Tensor, v: Tensor, positions: Tensor, valid: Op
         out [B, Hq, T, Dv] in q's dtype.
     """
     decode = functools.partial(_triton_decode_attend, split_size=split_size)
-    return reference.h2o_attention_(q, k, v, positions, valid, state, scale=scale, recent=recent, sinks=sinks,
+    return reference_decode.h2o_attention_(q, k, v, positions, valid, state, scale=scale, recent=recent, sinks=sinks,
                                     policy=policy, seed=seed, window=window, softcap=softcap,
                                     sink_logits=sink_logits, rope=rope, query_from=query_from,
                                     attend_fn=_triton_attend_block, attend_decode_fn=decode)
 
 
 def _triton_decode_attend(q, k, v, valid, state, scale, new_pos, *, window, softcap, sink_logits, split_size=0):
-    """reference.attend_decode's contract with the Triton decode kernel; the kernel takes the new token's
+    """reference_decode.attend_decode's contract with the Triton decode kernel; the kernel takes the new token's
     position per row [B, 1] (-1 on a padding row, whose output and mass it zeroes without reading it)."""
     return torch.ops.h2o.triton_decode_attend(q, k, v, new_pos[:, 0, :], valid, state.key_cache, state.value_cache,
                                               state.pos_cache, scale, split_size, window, softcap, sink_logits,

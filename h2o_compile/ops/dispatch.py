@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from ..kernels import cpu_prefill, native_cpu, reference
+from ..kernels import reference_decode
 
 _BACKEND_ENV = "H2O_COMPILE_BACKEND"
 _FORCED = ("auto", "reference", "triton")
@@ -61,16 +62,17 @@ def attend_block(q, keys, values, key_pos, positions, valid, scale, *, new_from,
 
 def attend_decode_step(q, k, v, valid, state, scale, new_pos, *, window, softcap, sink_logits):
     """The decode step's attention on the reference backend: the native CPU op where it applies (CPU tensors, a
-    float cache, the library built; one call instead of ~15 eager operators), else ``reference.attend_decode``."""
+    float cache, the library built; one call instead of ~15 eager operators), else
+    ``reference_decode.attend_decode``."""
     if native_cpu.decodes(q, state.key_cache, state.value_cache):
         return native_cpu.attend_decode(q, k, v, valid, state.key_cache, state.value_cache, state.pos_cache, scale,
                                         new_pos, window, softcap, sink_logits)
-    return reference.attend_decode(q, k, v, valid, state, scale, new_pos, window=window, softcap=softcap,
+    return reference_decode.attend_decode(q, k, v, valid, state, scale, new_pos, window=window, softcap=softcap,
                                    sink_logits=sink_logits)
 
 
 def compiled_decode_attend(native: bool, quantized: bool):
-    """The attention of the compiled decode step (``ops.decode_fusable_``), ``reference.attend_decode``'s
+    """The attention of the compiled decode step (``ops.decode_fusable_``), ``reference_decode.attend_decode``'s
     signature: int8 entries in the open, so the compiler reads the int8 bytes inside its own reduction loops (a
     BLAS product would need an fp32 copy of every slot chunk first); else the native CPU op where ``native``
     (decided when the graph is built), else the opaque ``h2o::attend_decode``, which keeps its two batched
@@ -83,7 +85,7 @@ def compiled_decode_attend(native: bool, quantized: bool):
 def _int8_decode_in_the_open(q, k, v, valid, state, scale, new_pos, *, window, softcap, sink_logits):
     # materialize: the query is computed before the reduction loops, the output before the cache writes.
     [q] = torch.ops.h2o.materialize([q])
-    out = reference.attend_decode(q, k, v, valid, state, scale, new_pos, window=window, softcap=softcap,
+    out = reference_decode.attend_decode(q, k, v, valid, state, scale, new_pos, window=window, softcap=softcap,
                                   sink_logits=sink_logits, fused_dequant=True)
     return tuple(torch.ops.h2o.materialize(list(out)))
 
@@ -104,7 +106,7 @@ def h2o_attention_(q, k, v, positions, valid, state, **params):
         from ..kernels import triton_ops
 
         return triton_ops.h2o_attention_(q, k, v, positions, valid, state, **params)
-    return reference.h2o_attention_(q, k, v, positions, valid, state, attend_fn=attend_block,
+    return reference_decode.h2o_attention_(q, k, v, positions, valid, state, attend_fn=attend_block,
                                     attend_decode_fn=attend_decode_step, **params)
 
 

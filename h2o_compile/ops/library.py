@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import dispatch
 from ..kernels import reference
+from ..kernels import reference_decode
 from ..kernels.rolling import as_tables
 from .schema import H2O_ATTENTION
 
@@ -93,7 +94,7 @@ def _checked_state(a: dict):
 
 
 def _params(a: dict) -> dict:
-    """The keyword arguments of the kernels' entry points (``reference.h2o_attention_`` and the others)."""
+    """The keyword arguments of the kernels' entry points (``reference_decode.h2o_attention_`` and the others)."""
     return dict(scale=a["scale"], recent=a["recent"], sinks=a["sinks"], policy=a["policy"], seed=a["seed"],
                 window=a["window"], softcap=a["softcap"], sink_logits=a["sink_logits"], query_from=a["query_from"],
                 rope=as_tables(a["rope_cos"], a["rope_sin"], a["max_distance"]))
@@ -140,8 +141,8 @@ def _attention_fake(*args, **kwargs):
 attention_ = torch.library.custom_op("h2o::attention_", _attention_, mutates_args=H2O_ATTENTION.state,
                                      schema=H2O_ATTENTION.torch_schema("Tensor", mutating=True))
 attention_.register_fake(lambda *args, **kwargs: _fake_out(H2O_ATTENTION.bind(args, kwargs)))
-attention = torch.library.custom_op("h2o::attention", _attention, mutates_args=(),
-                                    schema=H2O_ATTENTION.torch_schema("(" + ", ".join(["Tensor"] * 7) + ")", mutating=False))
+attention = torch.library.custom_op("h2o::attention", _attention, mutates_args=(),  # out and the 6 state tensors
+                                    schema=H2O_ATTENTION.torch_schema(f"({', '.join(['Tensor'] * 7)})", mutating=False))
 attention.register_fake(_attention_fake)
 
 
@@ -150,11 +151,11 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, valid: Tensor, key_cache: Ten
                   pos_cache: Tensor, scale: float, new_pos: Tensor, window: int = 0, softcap: float = 0.0,
                   sink_logits: Optional[Tensor] = None, key_scale: Optional[Tensor] = None,
                   value_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """The attention half of the decode step (reference.attend_decode): (out [B, Hq, 1, Dv], mass over the
+    """The attention half of the decode step (reference_decode.attend_decode): (out [B, Hq, 1, Dv], mass over the
     cache [B, Hkv, C], mass on the new key [B, Hkv, 1]). Opaque to the compiler, which keeps its two
     batched matrix-vector products on the BLAS kernels."""
     state = reference.make_state(key_cache, value_cache, None, pos_cache, key_scale, value_scale)
-    out, mass_cache, mass_new = reference.attend_decode(q, k, v, valid, state, scale, new_pos, window=window,
+    out, mass_cache, mass_new = reference_decode.attend_decode(q, k, v, valid, state, scale, new_pos, window=window,
                                                         softcap=softcap, sink_logits=sink_logits)
     return out, mass_cache.contiguous(), mass_new.clone()  # views of one tensor: outputs may not alias
 
@@ -185,8 +186,8 @@ def _(tensors):
 
 
 def decode_fusable_(*args, native: bool = False, **kwargs) -> Tensor:
-    """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: ``reference.h2o_decode_`` traced
-    into the step, so the eviction bookkeeping (reference.evict_and_write_) is plain torch ops that torch.compile
+    """``torch.ops.h2o.attention_`` for T = 1 with its bookkeeping in the open: ``reference_decode.h2o_decode_`` traced
+    into the step, so the eviction bookkeeping (reference_decode.evict_and_write_) is plain torch ops that torch.compile
     fuses into the step's generated code (on CPU one loop nest per layer instead of many small eager kernels),
     around the attention ``dispatch.compiled_decode_attend`` picks. Same arguments and result as the op, plus
     ``native``: the attention through the native CPU op (kernels/native_cpu.py; decided when the graph is built,
@@ -196,5 +197,5 @@ def decode_fusable_(*args, native: bool = False, **kwargs) -> Tensor:
     state = _checked_state(a)
     if a["q"].shape[2] != 1:
         raise ValueError(f"decode_fusable_ takes one token per row (T = 1); got T = {a['q'].shape[2]}")
-    return reference.h2o_decode_(a["q"], a["k"], a["v"], a["positions"], a["valid"], state, **_params(a),
+    return reference_decode.h2o_decode_(a["q"], a["k"], a["v"], a["positions"], a["valid"], state, **_params(a),
                                  attend_decode_fn=dispatch.compiled_decode_attend(native, state.quantized))

@@ -16,8 +16,9 @@ REQUIRED = object()
 
 @dataclass(frozen=True)
 class Arg:
-    """One argument: its name, its torch schema type (``Tensor``, ``Tensor?``, ``float``, ``int``, ``str``) and
-    its default (:data:`REQUIRED` for none)."""
+    """One argument: its name, its torch schema type (``Tensor``, ``Tensor?``, ``float``, ``SymInt``, ``str``;
+    SymInt, as torch.library infers for an ``int``, so a compiled graph keeps a varying int symbolic) and its
+    default (:data:`REQUIRED` for none)."""
 
     name: str
     type: str
@@ -40,10 +41,11 @@ class OpSchema:
         return self.names.index(name)
 
     def torch_schema(self, returns: str, mutating: bool) -> str:
-        """The torch.library schema string; ``mutating`` marks the state tensors as written in place."""
+        """The torch.library schema string; ``mutating`` marks the state tensors as written in place (each its own
+        alias set: they never alias each other)."""
         parts = []
-        for a in self.args:
-            kind = a.type.replace("Tensor", "Tensor(a!)", 1) if mutating and a.name in self.state else a.type
+        for i, a in enumerate(self.args):
+            kind = a.type.replace("Tensor", f"Tensor(a{i}!)", 1) if mutating and a.name in self.state else a.type
             default = "" if a.default is REQUIRED else f"={'None' if a.default is None else a.default}"
             parts.append(f"{kind} {a.name}{default}")
         return f"({', '.join(parts)}) -> {returns}"
@@ -73,12 +75,13 @@ H2O_ATTENTION = OpSchema(
         Arg("key_cache", "Tensor"), Arg("value_cache", "Tensor"),      # the layer's state, [B, Hkv, C, ...]
         Arg("score_cache", "Tensor"), Arg("pos_cache", "Tensor"),
         Arg("scale", "float"),
-        Arg("recent", "int"), Arg("sinks", "int"), Arg("policy", "str"), Arg("seed", "int"),  # the H2O constants
-        Arg("window", "int", 0), Arg("softcap", "float", 0.0), Arg("sink_logits", "Tensor?", None),  # attention kind
+        # the H2O constants, then the layer's attention kind
+        Arg("recent", "SymInt"), Arg("sinks", "SymInt"), Arg("policy", "str"), Arg("seed", "SymInt"),
+        Arg("window", "SymInt", 0), Arg("softcap", "float", 0.0), Arg("sink_logits", "Tensor?", None),
         Arg("rope_cos", "Tensor?", None), Arg("rope_sin", "Tensor?", None),   # rolling / capped positions
         Arg("query_from", "Tensor?", None),                                   # the prompt block's window
         Arg("key_scale", "Tensor?", None), Arg("value_scale", "Tensor?", None),  # int8 entries
-        Arg("max_distance", "int", 0),
+        Arg("max_distance", "SymInt", 0),
     ),
     state=("key_cache", "value_cache", "score_cache", "pos_cache", "key_scale", "value_scale"),
 )

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..reporting import command_line, machine_description, markdown_table, write_json
-from .stream import StreamRun, StreamWindow, run_dict
+from .stream import StreamRun, run_dict
 
 
 def age_summary(run: StreamRun) -> tuple[Optional[tuple[int, int]], Optional[float]]:
@@ -26,19 +26,6 @@ def age_summary(run: StreamRun) -> tuple[Optional[tuple[int, int]], Optional[flo
             break
     old = sum(count for lo, _, count in bins if lo >= 4 * run.capacity)
     return median, old / total
-
-
-def runs_from_json(report: dict) -> list[StreamRun]:
-    """The StreamRuns of a stream.json (written by this module, possibly by an older version: a run without
-    ``recent_slots`` gets the R its h2o settings imply), to rewrite a report without running it again."""
-    runs = []
-    for data in report["runs"]:
-        data = {k: v for k, v in data.items() if k != "summary"}
-        windows = [StreamWindow(**w) for w in data.pop("windows")]
-        if "recent_slots" not in data and data["policy"] == "h2o":
-            data["recent_slots"] = max(1, round(data["capacity"] * data.get("recent_ratio", 0.5)))
-        runs.append(StreamRun(**data, windows=windows))
-    return runs
 
 
 def write_stream_report(runs: Sequence[StreamRun], out_dir, *, model_name: str, text_names: Sequence[str],

@@ -24,7 +24,7 @@ a long prompt never stalls the running rows for more than one chunk.
 
 Generation semantics are ``generate``'s, per request: transformers' GenerationConfig (the model's defaults,
 ``generation_config``, keyword overrides), its logits processors and stopping criteria built by
-:mod:`h2o_compile.generation_setup` for that request's prompt, greedy argmax or ``torch.multinomial`` of the
+:mod:`h2o_compile.runtime.generation_setup` for that request's prompt, greedy argmax or ``torch.multinomial`` of the
 softmax, drawn from the request's own ``torch.Generator`` when a ``seed`` is given (the draws
 ``torch.manual_seed(seed)`` + ``generate`` makes for it alone), else from torch's global generator.
 """

@@ -1,4 +1,4 @@
-"""One request of continuous batching (h2o_compile/continuous_batching.py): its generation setup, exactly as
+"""One request of continuous batching (h2o_compile/runtime/continuous_batching.py): its generation setup, exactly as
 ``generate`` builds it for the request alone, its prefill into a batch-1 scratch model, and its tokens."""
 
 from __future__ import annotations

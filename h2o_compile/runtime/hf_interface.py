@@ -124,7 +124,8 @@ class CausalLMInterface:
     def generate_batch(self, inputs, generation_config=None, **kwargs):
         """transformers' ``generate_batch``: every prompt of ``inputs`` (lists of token ids) through continuous
         batching over fixed H2O rows; {request id: GenerationOutput} in the order of ``inputs``. Arguments:
-        :func:`h2o_compile.continuous_batching.generate_batch`."""
+        :func:`h2o_compile.runtime.continuous_batching.generate_batch`."""
+        # Imported on use: transformers' continuous batching module imports torch._dynamo, and with it Triton.
         from .continuous_batching import generate_batch
 
         return generate_batch(self, inputs, generation_config, **kwargs)
@@ -134,7 +135,7 @@ class CausalLMInterface:
         """transformers' ``init_continuous_batching``: a manager for a live stream (``add_request``, ``start``,
         ``get_result``, ``stop``). ``continuous_batching_config``: only its ``max_requests_per_batch`` is read
         (the rows, unless ``max_batch_size`` is given); ``workload_hints`` size paged caches and are ignored.
-        Other arguments: :class:`h2o_compile.continuous_batching.ContinuousBatchingManager`."""
+        Other arguments: :class:`h2o_compile.runtime.continuous_batching.ContinuousBatchingManager`."""
         from .continuous_batching import ContinuousBatchingManager
 
         rows = getattr(continuous_batching_config, "max_requests_per_batch", None)

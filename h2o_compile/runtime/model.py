@@ -35,7 +35,7 @@ class H2OModel(CausalLMInterface, nn.Module):
 
     Use it as a transformers causal LM (``generate``, ``pipeline("text-generation", model=...)``,
     ``model(input_ids, labels=...)`` scoring as H2O decodes, ``save_pretrained`` / ``from_pretrained``,
-    ``.to()``; h2o_compile/hf_interface.py), or drive the cache yourself: ``reset(batch_size, max_seq_len)``
+    ``.to()``; h2o_compile/runtime/hf_interface.py), or drive the cache yourself: ``reset(batch_size, max_seq_len)``
     then ``step(input_ids, attention_mask)`` once per block (a prompt, then one token at a time).
     """
 
@@ -318,7 +318,7 @@ class H2OModel(CausalLMInterface, nn.Module):
         ``stop_strings`` with ``tokenizer=``, ``eos_token_id``, ``num_return_sequences``,
         ``return_dict_in_generate``, ``output_scores``, ``output_logits``, ...); sampling draws from torch's
         global generator, so ``torch.manual_seed`` makes it repeatable. Beam search and the other modes
-        raise ValueError naming the argument (see :mod:`h2o_compile.generation_setup`).
+        raise ValueError naming the argument (see :mod:`h2o_compile.runtime.generation_setup`).
         Returns [B, P + n] (the prompt followed by up to max_new_tokens new tokens) or a
         GenerateDecoderOnlyOutput.
         """
@@ -334,7 +334,7 @@ def optimize(model: nn.Module, budget: Union[float, int, None] = None, *, config
         budget: float in (0, 1] (fraction of prompt + new tokens) or int (cache slots); None = the config's
             (0.2 unless it says otherwise).
         config: an :class:`H2OConfig`, a preset name (``"paper"``, the default; ``"recommended"``; every name
-            of ``h2o_compile.PRESETS``) or a rule string (``"max+decay=0.99"``, h2o_compile/presets.py).
+            of ``h2o_compile.PRESETS``) or a rule string (``"max+decay=0.99"``, h2o_compile/config/rule_string.py).
         **options: any H2OConfig or ScoreRule field, applied on top of ``config`` (``H2OConfig.replace``):
             ``optimize(model, 0.1, config="recommended", kv_dtype="int8")``.
         compile: ``True`` compiles the decode step with torch.compile (fullgraph; CUDA graphs on GPU) once
@@ -352,12 +352,12 @@ def optimize(model: nn.Module, budget: Union[float, int, None] = None, *, config
             little. Not with a mode that freezes the weights, nor on CUDA (ValueError).
         tp: ``True`` (the default process group) or a torch.distributed ProcessGroup: tensor parallelism. Call
             it on every rank (``torchrun``) with the same model: it shards ``model`` in place (attention heads
-            and MLP, h2o_compile/tensor_parallel.py) before the capture, so each rank's H2O state holds
+            and MLP, h2o_compile/graph/tensor_parallel.py) before the capture, so each rank's H2O state holds
             num_key_value_heads / N KV heads, and every rank returns the same tokens (sampling: the same seed
             on every rank). ValueError for head counts not divisible by N, MQA among them.
     Raises:
         UnsupportedModelError for a model it cannot serve; ValueError / TypeError naming a bad option, or a
-        setting the model's backend does not serve (h2o_compile/backends.py).
+        setting the model's backend does not serve (h2o_compile/config/capabilities.py).
     """
     config = resolve_config(config, budget, options)
     check_compile(compile)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 # Re-exported so the whole recipe is importable from one module.
 from .arch import FP16_BUDGET_BYTES, build_llama_config, llama_param_count
 from .data import clean_text, encode_stream, read_corpus, sha256_file, split_heldout, train_tokenizer
+from .card import write_model_card
 
 __all__ = [
     "FP16_BUDGET_BYTES",
@@ -278,8 +279,6 @@ def run_training(
 ) -> dict:
     """The full pipeline; writes the asset folder ``out_dir`` and returns the summary recorded in its card."""
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
-    from .card import write_model_card
 
     if threads:
         torch.set_num_threads(threads)

@@ -10,6 +10,7 @@ import torch
 
 from h2o_compile import ops
 from h2o_compile.kernels import quantized, reference
+from h2o_compile.kernels import reference_decode
 from h2o_compile.kernels.rules import EvictionRule
 
 from .conftest import assert_close_out, assert_same_state, random_block
@@ -98,7 +99,7 @@ def test_attention_kinds_with_quantized_entries(backend, name, triton_device):
                                       op_kind["window"], op_kind["softcap"], sink_logits, **rope_args,
                                       key_scale=state.key_scale, value_scale=state.value_scale)
         else:
-            out = reference.h2o_attention_(*args, **params)
+            out = reference_decode.h2o_attention_(*args, **params)
         for row in range(b):
             pos = positions[row].tolist()
             for h in range(hkv):
@@ -138,12 +139,12 @@ def test_triton_int8_steps_equal_the_reference_on_its_device(triton_device, dtyp
     want = reference.empty_state(b, hkv, cap, d, dtype=dtype, device=triton_device, quantized=True)
     q, k, v = random_block(gen, b, hq, hkv, cap + 5, d, dtype, triton_device)
     positions = torch.arange(cap + 5, device=triton_device).expand(b, -1).contiguous()
-    reference.h2o_attention_(q, k, v, positions, None, want, **kw)
+    reference_decode.h2o_attention_(q, k, v, positions, None, want, **kw)
     got, start = want.clone(), cap + 5
     for t in [1, 1, 1, 4, 1, 1]:
         q, k, v = random_block(gen, b, hq, hkv, t, d, dtype, triton_device)
         positions = torch.arange(start, start + t, device=triton_device).expand(b, -1).contiguous()
-        out_want = reference.h2o_attention_(q, k, v, positions, None, want, **kw)
+        out_want = reference_decode.h2o_attention_(q, k, v, positions, None, want, **kw)
         out_got = triton_ops.h2o_attention_(q, k, v, positions, None, got, split_size=16, **kw)
         assert_close_out(out_got, out_want)
         assert_same_state(got, want)

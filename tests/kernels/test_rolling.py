@@ -10,6 +10,7 @@ import torch
 import h2o_compile  # noqa: F401  (registers torch.ops.h2o)
 from h2o_compile import ops
 from h2o_compile.kernels import reference
+from h2o_compile.kernels import reference_decode
 from h2o_compile.kernels.rolling import RopeTables, as_tables, capped_distances, rolling_ranks
 
 from .conftest import assert_close_out, assert_same_state, random_block
@@ -151,7 +152,7 @@ def _filled(gen, b, hq, hkv, d, cap, rope, dtype, device, kw):
     state = reference.empty_state(b, hkv, cap, d, dtype=dtype, device=device)
     q, k, v = random_block(gen, b, hq, hkv, cap + 4, d, dtype, device)
     positions = torch.arange(cap + 4, device=device).expand(b, -1).contiguous()
-    reference.h2o_attention_(q, k, v, positions, None, state, rope=rope, **kw)
+    reference_decode.h2o_attention_(q, k, v, positions, None, state, rope=rope, **kw)
     return state, cap + 4
 
 
@@ -171,7 +172,7 @@ def test_triton_rolling_positions_equal_reference(triton_device, policy, window,
     for t in [1, 1, 5, 1, 1]:  # decode steps and a chunk: the decode kernel and the prefill kernel
         q, k, v = random_block(gen, b, hq, hkv, t, d, dtype, triton_device)
         positions = torch.arange(start, start + t, device=triton_device).expand(b, -1).contiguous()
-        out_want = reference.h2o_attention_(q, k, v, positions, None, want, rope=rope, **kw)
+        out_want = reference_decode.h2o_attention_(q, k, v, positions, None, want, rope=rope, **kw)
         out_got = triton_ops.h2o_attention_(q, k, v, positions, None, got, rope=rope, **kw)
         assert_close_out(out_got, out_want)
         assert_same_state(got, want)
@@ -198,7 +199,7 @@ def test_compiled_cpu_decode_step_rolling_equals_reference(max_distance):
     for _ in range(4):
         q, k, v = random_block(gen, b, hq, hkv, 1, d, torch.float32, "cpu")
         positions = torch.full((b, 1), start)
-        out_want = reference.h2o_attention_(q, k, v, positions, None, want, rope=rope, **kw)
+        out_want = reference_decode.h2o_attention_(q, k, v, positions, None, want, rope=rope, **kw)
         out_got = compiled(q, k, v, positions, got)
         assert_close_out(out_got, out_want)
         assert_same_state(got, want)

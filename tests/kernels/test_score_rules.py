@@ -15,6 +15,7 @@ from h2o_compile import H2OConfig, ScoreRule, ops
 from h2o_compile.ops import dispatch
 from h2o_compile.config import CAPABILITIES, check_served
 from h2o_compile.kernels import reference
+from h2o_compile.kernels import reference_decode
 from h2o_compile.kernels.rules import EvictionRule, parse_rule
 
 from .h2o_simulation import SimulatedCache
@@ -109,7 +110,7 @@ def _check_stored(state, row, h, sim):
 
 
 def _reference(q, k, v, positions, valid, state, query_from, **kw):
-    return reference.h2o_attention_(q, k, v, positions, valid, state, query_from=query_from, **kw)
+    return reference_decode.h2o_attention_(q, k, v, positions, valid, state, query_from=query_from, **kw)
 
 
 def _triton(q, k, v, positions, valid, state, query_from, **kw):
@@ -159,10 +160,10 @@ def test_a_block_scores_as_its_tokens_one_by_one(decay, score):
     positions = torch.arange(t).expand(b, t).contiguous()
     kw = dict(scale=d ** -0.5, recent=1, sinks=0, policy=EvictionRule(score=score, decay=decay).spec)
     whole, single = (reference.empty_state(b, hkv, t, d) for _ in range(2))
-    reference.h2o_attention_(q, k, v, positions, None, whole, **kw)
+    reference_decode.h2o_attention_(q, k, v, positions, None, whole, **kw)
     for i in range(t):
-        reference.h2o_attention_(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], positions[:, i:i + 1], None,
-                                 single, **kw)
+        reference_decode.h2o_attention_(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1],
+                                        positions[:, i:i + 1], None, single, **kw)
     torch.testing.assert_close(whole.score_cache, single.score_cache, rtol=1e-5, atol=1e-6)
 
 
@@ -174,9 +175,9 @@ def test_a_prompt_window_is_the_same_in_chunks():
     positions = torch.arange(t)[None]
     kw = dict(scale=d ** -0.5, recent=1, sinks=0, policy="h2o", query_from=torch.tensor([t - 4]))
     whole, chunked = (reference.empty_state(b, hkv, t, d) for _ in range(2))
-    reference.h2o_attention_(q, k, v, positions, None, whole, **kw)
+    reference_decode.h2o_attention_(q, k, v, positions, None, whole, **kw)
     for s in (slice(0, 5), slice(5, 9), slice(9, 10), slice(10, 12)):
-        reference.h2o_attention_(q[:, :, s], k[:, :, s], v[:, :, s], positions[:, s], None, chunked, **kw)
+        reference_decode.h2o_attention_(q[:, :, s], k[:, :, s], v[:, :, s], positions[:, s], None, chunked, **kw)
     torch.testing.assert_close(whole.score_cache, chunked.score_cache, rtol=1e-5, atol=1e-6)
     # the first 8 queries added nothing: a key seen only by them scores 0 only if nobody later saw it, so check
     # the window instead: the summed score is the mass of 4 queries (each sums to 1 over the keys it sees)

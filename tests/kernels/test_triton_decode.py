@@ -1,4 +1,4 @@
-"""The Triton decode kernel (T = 1) against reference.h2o_decode_: the same slots, outputs and scores.
+"""The Triton decode kernel (T = 1) against reference_decode.h2o_decode_: the same slots, outputs and scores.
 
 Each test fills a cache with the reference prefill (a prompt longer than C), empties two slots far apart
 (in different blocks and splits when C > 16), then runs decode steps on a copy with the kernel and on the
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from h2o_compile.kernels import reference
+from h2o_compile.kernels import reference_decode
 
 from ..helpers import sink_logits_for
 from .conftest import HAS_CUDA, assert_close_out, assert_same_state, random_block
@@ -48,7 +49,7 @@ def run_decode(device, shape, dtype, policy, sinks, steps=6, seed=0, left_pad=Fa
     valid = torch.ones(b, prompt, dtype=torch.bool, device=device)
     if left_pad and b > 1:
         valid[1, :4] = False
-    reference.h2o_attention_(q, k, v, positions, valid, want, **kw)
+    reference_decode.h2o_attention_(q, k, v, positions, valid, want, **kw)
     want.pos_cache[:, :, [cap - 2, 1]] = -1
     got = want.clone()
     for step in range(steps):
@@ -57,7 +58,7 @@ def run_decode(device, shape, dtype, policy, sinks, steps=6, seed=0, left_pad=Fa
         valid = torch.ones(b, 1, dtype=torch.bool, device=device)
         if b > 1 and step == 2:
             valid[1] = False  # a padding token: no write, no mass, zero output
-        out_want = reference.h2o_decode_(q, k, v, positions, valid, want, **kw)
+        out_want = reference_decode.h2o_decode_(q, k, v, positions, valid, want, **kw)
         out_got = triton_ops.h2o_attention_(q, k, v, positions, valid, got, split_size=split, **kw)
         assert_close_out(out_got, out_want)
         assert_same_state(got, want)
@@ -156,7 +157,7 @@ def test_decode_step_replays_in_cuda_graph():
     gen = torch.Generator().manual_seed(5)
     want = reference.empty_state(b, hkv, cap, d, dtype=torch.float16, device=device)
     q, k, v = random_block(gen, b, hq, hkv, cap + 50, d, torch.float16, device)
-    reference.h2o_attention_(q, k, v, torch.arange(cap + 50, device=device).expand(b, -1), None, want, **kw)
+    reference_decode.h2o_attention_(q, k, v, torch.arange(cap + 50, device=device).expand(b, -1), None, want, **kw)
     got = want.clone()
     static = random_block(gen, b, hq, hkv, 1, d, torch.float16, device)
     static_pos = torch.zeros(b, 1, dtype=torch.int64, device=device)
@@ -175,7 +176,7 @@ def test_decode_step_replays_in_cuda_graph():
             buf.copy_(new)
         static_pos.fill_(step)
         graph.replay()
-        out_want = reference.h2o_decode_(q, k, v, static_pos.clone(), None, want, **kw)
+        out_want = reference_decode.h2o_decode_(q, k, v, static_pos.clone(), None, want, **kw)
         assert_close_out(static_out, out_want)
         assert_same_state(got, want)
 
@@ -200,7 +201,7 @@ def test_decode_op_compiles_without_graph_breaks():
     for t in range(cap + 10):
         q, k, v = random_block(gen, b, hq, hkv, 1, d, torch.bfloat16, device)
         positions = torch.full((b, 1), t, device=device)
-        out_want = reference.h2o_decode_(q, k, v, positions, None, want, scale=d ** -0.5, recent=10, sinks=2,
+        out_want = reference_decode.h2o_decode_(q, k, v, positions, None, want, scale=d ** -0.5, recent=10, sinks=2,
                                          policy="h2o")
         assert_close_out(compiled(q, k, v, positions, *got[:4]), out_want)
     assert_same_state(got, want)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import h2o_compile
-from h2o_compile.kernels import reference
+from h2o_compile.kernels import reference, reference_decode
 from tests.helpers import step_blocks
 from tests.runtime.arch_configs import VOCAB, WINDOW, build
 from tests.runtime.hf_simulation import simulate_logits
@@ -31,7 +31,7 @@ def triton_backend(triton_device, monkeypatch):
         raise AssertionError("the reference attention ran where the Triton backend was forced")
 
     monkeypatch.setattr(reference, "attend", not_the_reference)
-    monkeypatch.setattr(reference, "attend_decode", not_the_reference)
+    monkeypatch.setattr(reference_decode, "attend_decode", not_the_reference)
     return triton_device
 
 

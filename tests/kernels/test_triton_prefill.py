@@ -1,7 +1,7 @@
 """The Triton prefill kernels (blocks of T > 1 tokens) against the reference op: same slots, outputs, scores.
 
 Blocks go through ``triton_ops.h2o_attention_`` (prefill kernels + reference.compress) and through
-``reference.h2o_attention_`` from the same start; a schedule mixes a prompt longer than C, chunks that are
+``reference_decode.h2o_attention_`` from the same start; a schedule mixes a prompt longer than C, chunks that are
 not multiples of the tile, and a decode step; the attention kinds (sliding window, soft-capping, sink logits)
 run the same schedule. Without a GPU the kernels run under the Triton interpreter.
 """
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from h2o_compile.kernels import reference
+from h2o_compile.kernels import reference_decode
 
 from ..helpers import sink_logits_for
 from .conftest import HAS_CUDA, assert_close_out, assert_same_state, random_block
@@ -50,7 +51,7 @@ def run_schedule(device, shape, dtype, policy, sinks, schedule, seed=0, **kind):
         q, k, v = random_block(gen, b, hq, hkv, t, d, dtype, device)
         positions = torch.arange(start, start + t, device=device).expand(b, t).contiguous()
         valid = block_validity(b, t, start, device)
-        out_want = reference.h2o_attention_(q, k, v, positions, valid, want, **kw)
+        out_want = reference_decode.h2o_attention_(q, k, v, positions, valid, want, **kw)
         out_got = triton_ops.h2o_attention_(q, k, v, positions, valid, got, **kw)
         assert_close_out(out_got, out_want)
         assert_same_state(got, want)

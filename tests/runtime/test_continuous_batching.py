@@ -1,4 +1,4 @@
-"""Continuous batching (h2o_compile/continuous_batching.py): every request's tokens and kept positions equal the
+"""Continuous batching (h2o_compile/runtime/continuous_batching.py): every request's tokens and kept positions equal the
 request run alone through ``generate`` on a second model, whoever shares the batch with it and whenever it
 joins or leaves; one compiled decode step serves every mix of rows."""
 

@@ -82,7 +82,7 @@ def test_compiled_fused_decode_keeps_the_same_slots_as_the_op(llama, batch, poli
     for layer in range(2):
         assert torch.equal(fused.kept_positions(layer), eager.kept_positions(layer))
         score = state_names(layer)[2]
-        torch.testing.assert_close(getattr(fused, score), getattr(eager, score), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(getattr(fused.stream, score), getattr(eager.stream, score), rtol=1e-5, atol=1e-6)
 
 
 def test_decode_fusable_equals_the_op_on_a_padding_step():

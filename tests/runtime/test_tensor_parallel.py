@@ -1,4 +1,4 @@
-"""Tensor-parallel H2O decode (h2o_compile/tensor_parallel.py) with 2 gloo processes on CPU, spawned here.
+"""Tensor-parallel H2O decode (h2o_compile/graph/tensor_parallel.py) with 2 gloo processes on CPU, spawned here.
 
 Each rank runs every scenario twice in its own process: unsharded (``optimize`` without ``tp``: the one-process
 run, the reference) and sharded (``tp=True``), plus transformers' unsharded model decoding greedily with its

@@ -6,7 +6,7 @@ weights at a fraction of memory speed (our reading: it packs the large transpose
 same product as ``W @ x^T`` (the weight as the left operand) does not. ``research/linear_layout.py``
 measures both forms over row counts (docs/results/linear_layout_cpu.md).
 
-Only for the one-token step on CPU (``backends.decode_step_graph``, ``H2OModel._eager_decode_step``): the
+Only for the one-token step on CPU (``compiling.decode_step_graph``, ``H2OModel._eager_decode_step``): the
 prompt's products have many rows, where the usual form is as fast, and GPU GEMMs have no such case. Where the
 native CPU ops are built the step calls ``kernels.native_cpu.rows_linear`` instead, which streams each weight
 once for the row counts where even this form does not (one row: a matrix-vector product).
