@@ -221,9 +221,9 @@ def main(argv=None) -> int:
         parser.error(f"--capacities {args.capacities!r}: comma-separated ints >= 1")
 
     from h2o_compile.quality.evaluation import read_tail, token_windows
-    from h2o_compile.zoo.loading import load_local
+    from h2o_compile.zoo.loading import load_pretrained
 
-    model, tokenizer = load_local(args.model)
+    model, tokenizer = load_pretrained(args.model)
     model.set_attn_implementation("eager")          # the hooks read each layer's attention probabilities
     full_layers = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
     seqs = token_windows(tokenizer, [read_tail(args.text, args.tail)], args.seq_len, args.num_seqs)

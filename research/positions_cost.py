@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 import h2o_compile
 from h2o_compile.reporting import command_line, machine_description, markdown_table, write_json
-from h2o_compile.zoo.loading import load_local
+from h2o_compile.zoo.loading import load_pretrained
 
 SCHEMES = ("rolling", "capped", "true")
 
@@ -52,7 +52,7 @@ def main() -> None:
     blocks = [int(t) for t in args.tokens.split(",")]
     if args.compile and blocks != [1]:
         raise ValueError(f"--compile times the decode step: give --tokens 1, not {args.tokens}")
-    model, _ = load_local(args.model)
+    model, _ = load_pretrained(args.model)
     vocab = model.config.vocab_size
     runners = {scheme: filled(model, scheme, args.budget_slots, vocab, args.compile) for scheme in SCHEMES}
     times = {(scheme, t): [] for scheme in SCHEMES for t in blocks}

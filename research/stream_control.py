@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from h2o_compile.zoo.loading import load_local
+from h2o_compile.zoo.loading import load_pretrained
 from h2o_compile.quality.stream import stream_perplexity
 from h2o_compile.reporting import command_line, machine_description, markdown_table, write_json
 from h2o_compile.zoo.data import encode_stream
@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     folder = Path(args.folder)
     result = json.loads((folder / "stream.json").read_text())
-    model, tokenizer = load_local(args.model)
+    model, tokenizer = load_pretrained(args.model)
     texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in args.text]
     ids = torch.from_numpy(encode_stream(tokenizer, texts).astype("int64"))
     rows, records = [], []

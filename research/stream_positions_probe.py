@@ -31,7 +31,7 @@ from h2o_compile.kernels.rolling import RopeTables, rotate
 from h2o_compile.quality.stream import stream_perplexity
 from h2o_compile.quality.stream_report import write_stream_report
 from h2o_compile.zoo.data import encode_stream
-from h2o_compile.zoo.loading import load_local
+from h2o_compile.zoo.loading import load_pretrained
 
 
 def table_frequencies(tables: RopeTables) -> tuple[Tensor, Tensor]:
@@ -91,7 +91,7 @@ def main() -> None:
     if args.max_distance < args.chunk:
         raise ValueError(f"--max-distance {args.max_distance}: must be at least --chunk {args.chunk}")
     reference.rotate_block = capped_rotate_block(args.max_distance)
-    model, tokenizer = load_local(args.model)
+    model, tokenizer = load_pretrained(args.model)
     texts = [Path(p).read_text(encoding="utf-8", errors="replace") for p in args.text]
     ids = torch.from_numpy(encode_stream(tokenizer, texts).astype("int64"))[:args.tokens]
     start = time.perf_counter()

@@ -123,11 +123,11 @@ def test_export_then_generate_with_onnx_backend_matches_torch(model_dir, tmp_pat
 
 
 def test_model_arguments_take_gguf_files_and_zoo_names(tmp_path):
-    from h2o_compile.zoo.loading import load_local
+    from h2o_compile.zoo.loading import load_pretrained
 
     with pytest.raises(FileNotFoundError, match="no such .gguf file"):
-        load_local(str(tmp_path / "model.gguf"))
+        load_pretrained(str(tmp_path / "model.gguf"))
     with pytest.raises(ValueError, match="a .gguf file, or one of gemma3-270m, tiny"):
-        load_local(str(tmp_path / "nothing-here"))
-    model, tokenizer = load_local("tiny")
+        load_pretrained(str(tmp_path / "nothing-here"))
+    model, tokenizer = load_pretrained("tiny")
     assert model.config.model_type == "llama" and tokenizer("the river")["input_ids"]

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "h2o_compile"
 
 # Each unit may import its own modules and the units of lower rank; equal ranks do not import each other.
 RANKS = {"kernels": 0, "reporting": 0, "zoo": 0, "config": 1, "ops": 2, "graph": 3, "runtime": 4, "export": 5,
-         "bench": 6, "quality": 6, "cli": 7, "": 8}
+         "bench": 6, "quality": 6, "integrations": 6, "cli": 7, "": 8}
 
 
 def _modules() -> dict[str, Path]:

@@ -35,7 +35,7 @@ from .machine import (apply_roofline, cpu_ticks, foreign_cores, measure_bandwidt
                             weight_bytes_per_step)
 from .machine import wait_for_quiet as _wait
 from ..zoo import MODELS
-from ..zoo.loading import load_local
+from ..zoo.loading import load_pretrained
 from ..reporting import machine_description
 
 __all__ = ["BenchSettings", "build_model", "headline", "roofline_seconds", "run_bench", "run_decode",
@@ -110,7 +110,7 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
     """``kvbound`` or ``smoke`` (random Llamas, seeded), else what ``--model`` loads everywhere: a shipped model
     (``tiny``, ``gemma3-270m``), a local folder or a .gguf file (zoo/loading.py)."""
     if name not in ("kvbound", "smoke"):
-        return load_local(name)[0]
+        return load_pretrained(name)[0]
     import transformers
 
     config = transformers.LlamaConfig(**(KVBOUND if name == "kvbound" else SMOKE), initializer_range=0.05)

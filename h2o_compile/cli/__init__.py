@@ -12,7 +12,7 @@ from .arguments import (COMPILE_CHOICES, COMPILE_HELP, MODEL_HELP, Parser, add_c
                         config_from_args, csv_of, default_out, parse_budget, require)
 from ..config import POLICIES
 from ..reporting import command_line, print_report
-from ..zoo.loading import load_local
+from ..zoo.loading import load_pretrained
 from ..runtime import optimize
 from .demo import run_demo
 from ..bench.decode import BenchSettings, run_bench
@@ -77,8 +77,8 @@ def cmd_generate(args) -> int:
         op = "native op" if runner.native else "ONNX function"
         kv_note = f"KV cache (H2O, ONNX Runtime, {op}): {human_bytes(runner.kv_cache_bytes())}"
     else:
-        model, tokenizer = load_local(args.model, args.dtype)
-        config = config_of(args)
+        config = config_of(args)  # a bad configuration fails before the model loads
+        model, tokenizer = load_pretrained(args.model, args.dtype)
         runner = optimize(model, config=config, compile=args.compile)
         kv_note = None
     encoded = tokenizer(args.prompt, return_tensors="pt")
@@ -127,7 +127,7 @@ def cmd_bench(args) -> int:
         models=args.models, batches=args.batches, totals=args.totals, budgets=args.budgets,
         local_budget=args.local_budget, steps=args.steps, warmup=args.warmup, repeats=args.repeats,
         prefill=not args.no_prefill, prefill_repeats=args.prefill_repeats,
-        compile=compile_choice(args.compile),
+        compile=True if args.compile == "auto" else compile_choice(args.compile),  # a benchmark's compiled rows
         prefill_contenders=args.prefill_contenders, quiet_wait_s=args.quiet_wait, retries=args.retries,
         contenders=args.contenders, bandwidth_mib=args.bandwidth_mib, seed=args.seed, profile=args.profile),
         **smoke})
@@ -145,10 +145,10 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="decode tokens/s, latency, memory vs transformers' caches + roofline")
     bench.add_argument("--model", "--models", dest="models", type=csv_of(str), default=["tiny", "kvbound"],
                        help="models, comma-separated: kvbound (a KV-bound random Llama), smoke, a shipped "
-                            "model (tiny, gemma3-270m), a local folder or a .gguf file")
+                            "model (tiny, gemma3-270m), a local folder or a .gguf file (measured locally)")
     bench.add_argument("--batches", type=csv_of(int), default=[1, 8])
     bench.add_argument("--totals", type=csv_of(int), default=[1024, 4096], help="prompt + generated tokens")
-    bench.add_argument("--budget", "--budgets", dest="budgets", type=csv_of(float), default=[0.1, 0.2, 0.5],
+    bench.add_argument("--budget", "--budgets", dest="budgets", type=csv_of(parse_budget), default=[0.1, 0.2, 0.5],
                        help="h2o budgets, comma-separated")
     bench.add_argument("--local-budget", type=float, default=0.2)
     bench.add_argument("--steps", type=int, default=16, help="timed decode steps per block")
@@ -159,8 +159,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--prefill-contenders", type=csv_of(str),
                        default=["hf-dynamic", "hf-static-compile", "h2o-full", "h2o@0.2"],
                        help="contenders whose batch-1 prefill is timed ('' = all)")
-    bench.add_argument("--compile", choices=("on", "off", "max-autotune"), default="on",
-                       help="the compiled contenders (transformers' StaticCache and H2O alike): " + COMPILE_HELP)
+    bench.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
+                       help="the compiled contenders (transformers' StaticCache and H2O alike; auto and on compile "
+                            "them on any device): " + COMPILE_HELP)
     bench.add_argument("--contenders", type=csv_of(str), default=None,
                        help="subset, e.g. hf-dynamic,hf-static-compile,h2o-full,local@0.2,h2o@0.2")
     bench.add_argument("--bandwidth-mib", type=int, default=512)
@@ -178,7 +179,7 @@ def add_bench_parser(sub) -> None:
 def cmd_export(args) -> int:
     require("export", "onnx", "onnxscript")
     config = config_of(args)  # a bad configuration fails before the model loads
-    model, tokenizer = load_local(args.model, args.dtype)
+    model, tokenizer = load_pretrained(args.model, args.dtype)
     out = export_onnx(model, args.out or default_out("export"), config=config, max_seq_len=args.max_seq_len,
                       batch_size=args.batch_size, opset=args.opset, tokenizer=tokenizer, op=args.op)
     print(f"wrote {out} (model.onnx, h2o_config.json, config + tokenizer)")
@@ -224,9 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=cmd_export)
 
     demo = sub.add_parser("demo", help="offline demo: Gemma 3 270M (or the tiny model), full cache vs H2O at 20%%")
-    demo.add_argument("--model", default="gemma3-270m", help="gemma3-270m (the gemma extra) or tiny")
+    demo.add_argument("--model", default="gemma3-270m", help=MODEL_HELP + " (gemma3-270m: the gemma extra)")
     demo.add_argument("--max-new-tokens", type=int, default=64)
-    demo.add_argument("--budget", type=float, default=0.2, help="fraction of the sequence kept")
+    demo.add_argument("--budget", type=parse_budget, default=0.2, help="fraction of the sequence kept, or slots")
     demo.add_argument("--out", default=None, help="folder for demo.md / .json / .png (default: print only)")
     demo.set_defaults(func=cmd_demo)
 

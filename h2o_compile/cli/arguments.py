@@ -1,11 +1,13 @@
 """The one flag vocabulary of ``h2o-compile``, shared by the command modules (cli.py, quality/commands.py), which
 import this one and not each other, and by the scripts under benchmarks/.
 
-Every subcommand says a model with ``--model`` (a shipped name, a local folder or a .gguf file), a budget with
-``--budget`` (a fraction of the sequence or a number of slots; a list where the command sweeps), a
+Every subcommand says a model with ``--model`` (a shipped name, a Hub id, a local folder or a .gguf file), a
+budget with ``--budget`` (a fraction of the sequence or a number of slots; a list where the command sweeps), a
 configuration with ``--preset`` / ``--rule`` in the rule syntax of :meth:`H2OConfig.parse`, the decode step's
-compilation with ``--compile`` and where results go with ``--out`` (default: a new folder under ./runs/ of the
-current directory, never inside the package).
+compilation with ``--compile`` (the same choices and default everywhere), ``--policy``, ``--sink-tokens``,
+``--recent-ratio`` and ``--kv-dtype`` (lists where the command sweeps; the plural names are aliases) and where
+results go with ``--out`` (default: a new folder under ./runs/ of the current directory, never inside the
+package). tests/test_cli_vocabulary.py reads every parser and keeps it so.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from pathlib import Path
 
 from ..config import PRESET_OPTIONS, H2OConfig, parse_options
 
-MODEL_HELP = "a shipped model (tiny, gemma3-270m), a local model folder, or a .gguf file"
+MODEL_HELP = "a shipped model (tiny, gemma3-270m), a Hub id, a local model folder, or a .gguf file"
 COMPILE_CHOICES = ("auto", "on", "off", "default", "reduce-overhead", "max-autotune")
-COMPILE_HELP = ("the decode step under torch.compile: auto = on CUDA only, on, off, or a torch.compile mode "
-                "(max-autotune on CPU also freezes and prepacks the weights)")
+COMPILE_HELP = ("the decode step under torch.compile: auto = on CUDA only, on, off, or a torch.compile mode; "
+                "max-autotune on CPU also freezes and prepacks the weights")
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -32,7 +34,8 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if any(action.default is x for x in (None, False, argparse.SUPPRESS)) or "default" in text \
                 or not action.option_strings:
             return text
-        return f"{text} (default: %(default)s)" if text else "default: %(default)s"
+        shown = ",".join(map(str, action.default)) if isinstance(action.default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
 
 
 class Parser(argparse.ArgumentParser):

@@ -13,7 +13,7 @@ import torch
 
 from ..reporting import command_line, machine_description, markdown_table, plot_bars, write_json
 from ..runtime import optimize
-from ..zoo import load_model
+from ..zoo.loading import load_pretrained
 
 # Our own prompts, in the registers the shipped tiny model was trained on (encyclopedia prose and a novel).
 DEMO_PROMPTS = (
@@ -50,13 +50,14 @@ def _run(h2o, tokenizer, prompt, new_tokens):
 
 def run_demo(model: str = "gemma3-270m", out_dir=None, new_tokens: int = 64, budget: float = 0.2,
              width: int = 56) -> dict:
-    """Print full-cache and H2O continuations of the built-in prompts for ``model`` (a name in zoo.MODELS);
+    """Print full-cache and H2O continuations of the built-in prompts for ``model`` (what ``--model`` takes:
+    zoo/loading.py);
     with ``out_dir``, also write demo.md / demo.json / demo.png there.
 
     H2O compresses every layer to the budget, sliding-window layers included (``compress_sliding``): the
     prompts are shorter than Gemma 3's 512-token window, so a window cache alone would keep everything."""
     torch.manual_seed(0)
-    hf_model, tokenizer = load_model(model)
+    hf_model, tokenizer = load_pretrained(model)
     contenders = {"full cache": optimize(hf_model, budget=1.0, policy="full", compile=False),
                   f"H2O {budget:.0%}": optimize(hf_model, budget=budget, compile=False,
                                                             compress_sliding=True)}

@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from .arguments import MODEL_HELP, csv_of, default_out, require
+from .arguments import (COMPILE_CHOICES, COMPILE_HELP, MODEL_HELP, compile_choice, csv_of, default_out,
+                        parse_budget, require)
 from ..config import H2OConfig, POLICIES, POSITIONS
 from ..reporting import print_report
-from ..zoo.loading import load_local, model_name
+from ..zoo.loading import load_pretrained, model_name
 from ..quality.report import write_eval_report
 from ..quality.evaluation import EvalSettings, evaluate, read_tail
 from ..zoo.data import clean_text, encode_stream, read_corpus
@@ -30,17 +31,17 @@ def cmd_eval(args) -> int:
 
     bad = [p for p in args.policies if p not in POLICIES]
     if bad:
-        raise ValueError(f"--policies {bad} not supported; choose from {', '.join(POLICIES)}")
+        raise ValueError(f"--policy {bad} not supported; choose from {', '.join(POLICIES)}")
     if "full" in args.policies:
         args.policies = ["full"] + [p for p in args.policies if p != "full"]
-    torch.manual_seed(0)
-    model, tokenizer = load_local(args.model)
     settings = EvalSettings(budgets=args.budgets, policies=args.policies, seq_len=args.seq_len,
                             num_seqs=args.num_seqs, batch_size=args.batch_size, prompt_len=args.prompt_len,
                             gen_prompt_len=args.gen_prompt_len, gen_new_tokens=args.gen_new_tokens,
-                            gen_prompts=args.gen_prompts, compile=args.compile != "off",
+                            gen_prompts=args.gen_prompts, compile=compile_choice(args.compile),
                             compress_sliding=args.compress_sliding, h2o_sinks=args.h2o_sinks,
-                            h2o_rules=args.h2o_rules, kv_dtypes=args.kv_dtypes)
+                            h2o_rules=args.h2o_rules, kv_dtypes=args.kv_dtypes)  # its checks, before the model loads
+    torch.manual_seed(0)
+    model, tokenizer = load_pretrained(args.model)
     if args.heldout is not None:
         texts = read_corpus(args.text, heldout_frac=args.heldout)[1]
         names = [f"{Path(p).name} (held-out last {args.heldout:.0%}, cleaned as in training)" for p in args.text]
@@ -67,6 +68,9 @@ def cmd_stream(args) -> int:
     args.out = args.out or str(default_out("stream"))
     import torch
 
+    if not isinstance(args.budget_slots, int):
+        raise ValueError(f"--budget {args.budget_slots}: a stream has no length to take a fraction of; give its "
+                         "cache slots, an int such as 512")
     for name, values, allowed in (("--policy", args.policy, [p for p in POLICIES if p != "full"]),
                                   ("--positions", args.positions, list(POSITIONS))):
         bad = [v for v in values if v not in allowed]
@@ -81,7 +85,7 @@ def cmd_stream(args) -> int:
             raise ValueError(f"--max-distance {args.max_distance} caps --positions capped, which is not among "
                              f"{','.join(args.positions)}")
         H2OConfig(positions="capped", max_distance=args.max_distance)
-    model, tokenizer = load_local(args.model)
+    model, tokenizer = load_pretrained(args.model)
     texts = []
     for path in args.text:
         texts.append(Path(path).read_text(encoding="utf-8", errors="replace"))
@@ -132,7 +136,7 @@ def cmd_tasks(args) -> int:
         raise ValueError(f"--tasks {bad}; choose from {', '.join(TASKS)}")
     bad = [p for p in args.policies if p not in POLICIES or p == "full"]
     if bad:
-        raise ValueError(f"--policies {bad}; choose from {', '.join(p for p in POLICIES if p != 'full')} "
+        raise ValueError(f"--policy {bad}; choose from {', '.join(p for p in POLICIES if p != 'full')} "
                          "(the full cache is always run unless --no-full)")
     for rule in args.rules:
         # A bad rule (or one with recent=, or global= without --compress-sliding) fails before the model loads.
@@ -141,7 +145,7 @@ def cmd_tasks(args) -> int:
         check_kv_dtype(kv_dtype)
     part = parse_part(args.part, args.samples)
     torch.manual_seed(0)
-    model, tokenizer = load_local(args.model)
+    model, tokenizer = load_pretrained(args.model)
     text = "\n".join(clean_text(Path(p).read_text(encoding="utf-8")) for p in args.text)
     filler = tokenizer(text, add_special_tokens=False)["input_ids"]
     samples = [s for task in args.tasks for n in args.lengths
@@ -216,30 +220,33 @@ def add_quality_parsers(sub) -> None:
     ev.add_argument("--tail", type=float, default=1.0, help="use only the last fraction of each file, e.g. 0.1")
     ev.add_argument("--heldout", type=float, default=None,
                     help="use the held-out tail exactly as the shipped model's trainer split it (e.g. 0.1)")
-    ev.add_argument("--budget", "--budgets", dest="budgets", type=csv_of(float), default=[0.05, 0.1, 0.2, 0.5, 1.0],
-                    help="comma-separated fractions of the sequence kept (0.05,0.1,0.2,0.5,1.0)")
-    ev.add_argument("--policies", type=csv_of(str), default=["full", "h2o", "local", "sink", "random"],
-                    help="comma-separated, from full, h2o, local, sink, random (all)")
-    ev.add_argument("--seq-len", type=int, default=1024, help="tokens per perplexity window (1024)")
-    ev.add_argument("--num-seqs", type=int, default=8, help="perplexity windows (8; 0: generation agreement only)")
-    ev.add_argument("--batch-size", type=int, default=8, help="windows run together (8)")
+    ev.add_argument("--budget", "--budgets", dest="budgets", type=csv_of(parse_budget),
+                    default=[0.05, 0.1, 0.2, 0.5, 1.0],
+                    help="comma-separated fractions of the sequence kept (0.2) or cache slots (256)")
+    ev.add_argument("--policy", "--policies", dest="policies", type=csv_of(str),
+                    default=["full", "h2o", "local", "sink", "random"],
+                    help="comma-separated, from full, h2o, local, sink, random")
+    ev.add_argument("--seq-len", type=int, default=1024, help="tokens per perplexity window")
+    ev.add_argument("--num-seqs", type=int, default=8, help="perplexity windows (0: generation agreement only)")
+    ev.add_argument("--batch-size", type=int, default=8, help="windows run together")
     ev.add_argument("--prompt-len", type=int, default=32,
-                    help="tokens fed as one block before the scored one-token steps (32)")
-    ev.add_argument("--gen-prompt-len", type=int, default=896, help="prompt tokens for generation agreement (896)")
-    ev.add_argument("--gen-new-tokens", type=int, default=128, help="greedy tokens compared with the full cache (128)")
-    ev.add_argument("--gen-prompts", type=int, default=8, help="prompts for generation agreement (8)")
-    ev.add_argument("--compile", choices=("on", "off"), default="on", help="torch.compile the decode step (on)")
+                    help="tokens fed as one block before the scored one-token steps")
+    ev.add_argument("--gen-prompt-len", type=int, default=896, help="prompt tokens for generation agreement")
+    ev.add_argument("--gen-new-tokens", type=int, default=128, help="greedy tokens compared with the full cache")
+    ev.add_argument("--gen-prompts", type=int, default=8, help="prompts for generation agreement")
+    ev.add_argument("--compile", choices=COMPILE_CHOICES, default="auto", help=COMPILE_HELP)
     ev.add_argument("--compress-sliding", action="store_true",
                     help="compress sliding-window layers to the budget too (default: they keep their window)")
-    ev.add_argument("--h2o-sinks", type=int, default=0, help="also evaluate h2o with this many sink tokens")
+    ev.add_argument("--sink-tokens", "--h2o-sinks", dest="h2o_sinks", type=int, default=0,
+                    help="also evaluate h2o with this many sink tokens")
     ev.add_argument("--rule", "--rules", "--h2o-rules", dest="h2o_rules", type=csv_of(str), default=[],
                     help="also evaluate h2o under these rules, comma-separated, each in the rule syntax "
                          "(H2OConfig.parse): presets, mean, max, tova, snapkv, decay=G, window=W, "
                          "pool=K, recent=R (the recent window's share), global=S (full-attention layers' share of "
                          "the slots, with --compress-sliding), sliding=SCORE (the sliding-window layers' own score, "
                          "with --compress-sliding), joined by '+'")
-    ev.add_argument("--kv-dtypes", type=csv_of(str), default=["model"],
-                    help="entry dtypes, each configuration once per dtype: model, int8 (model); int8 rows are "
+    ev.add_argument("--kv-dtype", "--kv-dtypes", dest="kv_dtypes", type=csv_of(str), default=["model"],
+                    help="entry dtypes, each configuration once per dtype: model, int8; int8 rows are "
                          "labelled <policy>+int8")
     ev.add_argument("--out", default=None, help="folder for eval.json / .md / .png (default: runs/eval-<time>)")
     ev.set_defaults(func=cmd_eval)
@@ -253,10 +260,10 @@ def add_quality_parsers(sub) -> None:
     st.add_argument("--model", default="tiny", help=MODEL_HELP)
     st.add_argument("--text", nargs="+", required=True, help="text file(s), concatenated into one stream")
     st.add_argument("--tokens", type=int, required=True, help="stream length in tokens")
-    st.add_argument("--budget", "--budget-slots", dest="budget_slots", type=int, required=True,
+    st.add_argument("--budget", "--budget-slots", dest="budget_slots", type=parse_budget, required=True,
                     help="cache slots C per layer and KV head (a stream has no end, so a number of slots)")
     st.add_argument("--chunk", type=int, default=64, help="tokens per step (memory: C + chunk)")
-    st.add_argument("--policy", type=csv_of(str), default=["h2o", "sink"], help="comma-separated (h2o,sink)")
+    st.add_argument("--policy", type=csv_of(str), default=["h2o", "sink"], help="comma-separated")
     st.add_argument("--positions", type=csv_of(str), default=["rolling"],
                     help="comma-separated from rolling (rank in the cache), capped (true distance up to "
                          "--max-distance), true")
@@ -268,7 +275,7 @@ def add_quality_parsers(sub) -> None:
                     help="h2o score rules, one run each: sum, mean, max, tova, decay=G, global=S and "
                          "sliding=SCORE (with --compress-sliding), joined by '+' (sum); no prompt rules (window=, "
                          "pool=, snapkv): a stream has no prompt")
-    st.add_argument("--recent-ratio", type=float, default=0.5, help="share of the cache for recent tokens (0.5)")
+    st.add_argument("--recent-ratio", type=float, default=0.5, help="share of the cache for recent tokens")
     st.add_argument("--compress-sliding", action="store_true",
                     help="sliding-window layers under the policy too, min(C, W) slots (default: they keep their "
                          "window); needed by rules with global=S")
@@ -278,25 +285,25 @@ def add_quality_parsers(sub) -> None:
     tk = sub.add_parser("tasks", help="long-context retrieval (pass key, multi-key, variable tracking) vs budget")
     tk.add_argument("--model", default="tiny", help=MODEL_HELP)
     tk.add_argument("--tasks", type=csv_of(str), default=["passkey"], help="comma-separated: passkey,multikey,vartrack")
-    tk.add_argument("--lengths", type=csv_of(int), default=[2048, 4096], help="prompt tokens (2048,4096)")
-    tk.add_argument("--samples", type=int, default=50, help="prompts per task and length (50)")
-    tk.add_argument("--budget", "--budgets", dest="budgets", type=csv_of(float), default=[0.1, 0.2, 0.5],
+    tk.add_argument("--lengths", type=csv_of(int), default=[2048, 4096], help="prompt tokens")
+    tk.add_argument("--samples", type=int, default=50, help="prompts per task and length")
+    tk.add_argument("--budget", "--budgets", dest="budgets", type=csv_of(parse_budget), default=[0.1, 0.2, 0.5],
                     help="fractions kept, comma-separated")
-    tk.add_argument("--policies", type=csv_of(str), default=["h2o", "sink", "local"],
-                    help="comma-separated, from h2o, local, sink, random (h2o,sink,local)")
+    tk.add_argument("--policy", "--policies", dest="policies", type=csv_of(str), default=["h2o", "sink", "local"],
+                    help="comma-separated, from h2o, local, sink, random")
     tk.add_argument("--rule", "--rules", dest="rules", type=csv_of(str), default=["sum"],
                     help="h2o score rules: sum, mean, max, tova, snapkv, decay=G, window=W, pool=K, global=S and "
-                         "sliding=SCORE (with --compress-sliding), joined by '+' (sum)")
+                         "sliding=SCORE (with --compress-sliding), joined by '+'")
     tk.add_argument("--compress-sliding", action="store_true",
                     help="compress sliding-window layers to the budget too (default: they keep their window)")
     tk.add_argument("--sink-tokens", type=int, default=None, help="sink tokens of h2o (default 0; sink: 4)")
-    tk.add_argument("--recent-ratios", type=csv_of(float), default=[0.5],
-                    help="shares of the cache for the recent window, one configuration each (0.5)")
-    tk.add_argument("--kv-dtypes", type=csv_of(str), default=["model"],
-                    help="entry dtypes, every configuration once per dtype: model, int8 (model)")
+    tk.add_argument("--recent-ratio", "--recent-ratios", dest="recent_ratios", type=csv_of(float), default=[0.5],
+                    help="shares of the cache for the recent window, one configuration each")
+    tk.add_argument("--kv-dtype", "--kv-dtypes", dest="kv_dtypes", type=csv_of(str), default=["model"],
+                    help="entry dtypes, every configuration once per dtype: model, int8")
     tk.add_argument("--no-full", action="store_true", help="skip the full-cache reference row")
     tk.add_argument("--text", nargs="+", required=True, help="prose text file(s) the filler is cut from")
-    tk.add_argument("--seed", type=int, default=0, help="seed of the generated samples (0)")
+    tk.add_argument("--seed", type=int, default=0, help="seed of the generated samples")
     tk.add_argument("--part", default=None,
                     help="START:STOP[:STEP]: run only these sample indices of the --samples grid (split runs, "
                          "tasks-merge; a STEP picks every STEP-th)")

@@ -214,6 +214,11 @@ class H2OConfig:
         (score, decay, prompt_window, prompt_pool, sliding_score) side by side. A policy given without
         sink_tokens takes that policy's default sinks; positions given without max_distance drop the old cap."""
         base = cls() if base is None else base
+        if "compression_ratio" in options:  # kvpress's name: what is removed, not what is kept
+            ratio = options["compression_ratio"]
+            hint = f" = {1 - ratio:g}" if isinstance(ratio, (int, float)) and 0 <= ratio < 1 else ""
+            raise ValueError(f"compression_ratio={ratio!r} is kvpress's share of the cache to remove; H2O takes the "
+                             f"share to keep: budget = 1 - compression_ratio{hint}")
         fields = {f.name for f in dataclasses.fields(cls)} - {"rule"}
         unknown = sorted(set(options) - fields - set(_RULE_FIELDS) - {"rule"})
         if unknown:

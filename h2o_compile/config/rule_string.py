@@ -84,6 +84,8 @@ def read_options(text: str, config_class) -> dict[str, Any]:
                 given = {"score": part}
             elif value and name in field_types:
                 given = {name: _read(name, field_types[name], value)}
+            elif value and name == "compression_ratio":  # kvpress's name: H2OConfig refuses it with the hint
+                given = {name: float(value)}
             else:
                 raise ValueError(part)
         except ValueError:

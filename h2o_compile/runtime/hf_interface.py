@@ -163,26 +163,27 @@ class CausalLMInterface:
     @classmethod
     def from_pretrained(cls, model_dir: Union[str, os.PathLike], *, dtype: Union[str, torch.dtype] = "auto",
                         device: Union[str, torch.device, None] = None, compile=None, **options):
-        """Open a directory written by :meth:`save_pretrained`: the transformers model
+        """Open what :meth:`save_pretrained` wrote, in a local directory or a Hub repository (``model_dir`` a Hub
+        id, resolved by transformers with the user's Hub cache, token and offline mode): the transformers model
         (``AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)``, moved to ``device``), optimized with
         the saved H2O configuration; ``**options`` (any H2OConfig / ScoreRule field, e.g. ``budget=0.1``) and
-        ``compile`` override what was saved. Nothing is downloaded."""
+        ``compile`` override what was saved."""
         from transformers import AutoModelForCausalLM
+        from transformers.utils import cached_file
 
-        model_dir = Path(model_dir)
-        path = model_dir / H2O_FILE
-        if not path.is_file():
+        path = cached_file(str(model_dir), H2O_FILE, _raise_exceptions_for_missing_entries=False)
+        if path is None:
             raise ValueError(f"{model_dir} has no {H2O_FILE}: write it with H2OModel.save_pretrained(), or "
                              "optimize(AutoModelForCausalLM.from_pretrained(dir), ...) a plain checkpoint")
-        meta = json.loads(path.read_text())
+        meta = json.loads(Path(path).read_text())
         if meta.get("format") != _FILE_FORMAT:
             raise ValueError(f"{path} has format {meta.get('format')!r}; this version reads format {_FILE_FORMAT}")
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True).eval()
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
         if device is not None:
             model = model.to(device)
         return cls.from_model(model, config=H2OConfig.from_dict(meta["config"]),
-                        compile=meta.get("compile", "auto") if compile is None else compile,
-                        regional_compile=meta.get("regional_compile", False), **options)
+                              compile=meta.get("compile", "auto") if compile is None else compile,
+                              regional_compile=meta.get("regional_compile", False), **options)
 
     # -- device and dtype ----------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from .gemma import gemma3_270m_path, load_gemma3_270m, load_gguf
-from .loading import MODELS, TINY_LLAMA_DIR, load_local, load_model, load_tiny, model_name
+from .loading import MODELS, TINY_LLAMA_DIR, load_pretrained, load_model, load_tiny, model_name
 
-__all__ = ["MODELS", "TINY_LLAMA_DIR", "gemma3_270m_path", "load_gemma3_270m", "load_gguf", "load_local",
+__all__ = ["MODELS", "TINY_LLAMA_DIR", "gemma3_270m_path", "load_gemma3_270m", "load_gguf", "load_pretrained",
            "load_model", "load_tiny", "model_name"]

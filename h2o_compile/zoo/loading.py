@@ -1,4 +1,4 @@
-"""Loading a model by what a user types: a local folder, a local ``.gguf`` file, or a zoo name; never a hub.
+"""Loading a model by what a user types: a zoo name, a local ``.gguf`` file, a local folder or a Hub id.
 
 Used by the CLI commands and the benchmark scripts alike (it lives beside the zoo, not in the CLI, so the
 command modules import it without importing each other).
@@ -6,6 +6,7 @@ command modules import it without importing each other).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -51,35 +52,45 @@ def load_model(name: str, dtype: torch.dtype = torch.float32):
 
 
 _DTYPES = ("float32", "float16", "bfloat16")
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")  # "name" or "organisation/name", as the Hub spells repositories
 
 
-def load_local(path: str, dtype: str = "float32"):
-    """(model, tokenizer) from a local folder, a local ``.gguf`` file, or a zoo name (``gemma3-270m``,
-    ``tiny``); never from a hub.
+def load_pretrained(name: str, dtype: str = "float32"):
+    """(model, tokenizer) from what a user types as ``--model``: a zoo name (``gemma3-270m``, ``tiny``), a local
+    ``.gguf`` file, a local folder with a config.json, or a Hub id (``Qwen/Qwen2.5-0.5B-Instruct``), which
+    transformers resolves with the user's Hub cache, token and offline mode (``HF_HUB_OFFLINE=1``).
 
     Args:
-        path: the folder (with a config.json), the .gguf file, or a name in :data:`h2o_compile.zoo.MODELS`.
+        name: the zoo name, the .gguf file, the folder or the Hub id.
         dtype: "float32", "float16" or "bfloat16".
     Raises:
-        FileNotFoundError for a .gguf path that is no file; ValueError for anything else it cannot load.
+        FileNotFoundError for a .gguf path that is no file; ValueError for a path that holds no model, and for a
+        Hub id transformers cannot load (its error named, with what was tried).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r}; allowed: {', '.join(_DTYPES)}")
     torch_dtype = getattr(torch, dtype)
-    if path in MODELS:
-        return load_model(path, torch_dtype)
-    folder = Path(path)
-    if folder.suffix == ".gguf":
-        if not folder.is_file():
-            raise FileNotFoundError(f"--model {path!r}: no such .gguf file")
-        return load_gguf(folder, torch_dtype)
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"--model {path!r} is not a folder with a config.json, a .gguf file, or one of "
-                         f"{', '.join(MODELS)} (only local models load)")
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch_dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if name in MODELS:
+        return load_model(name, torch_dtype)
+    path = Path(name)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"--model {name!r}: no such .gguf file")
+        return load_gguf(path, torch_dtype)
+    kinds = f"a Hub id, a folder with a config.json, a .gguf file, or one of {', '.join(MODELS)}"
+    local = (path / "config.json").is_file()
+    if not local and (path.exists() or not _HUB_ID.fullmatch(name)):
+        raise ValueError(f"--model {name!r} is not {kinds}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype).eval()
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        if local:
+            raise
+        raise ValueError(f"--model {name!r}: no local folder of that name, and transformers could not load it as "
+                         f"a Hub id ({type(error).__name__}: {error}); --model takes {kinds}") from error
     return model, tokenizer
 
 

@@ -11,7 +11,7 @@ import torch
 from h2o_compile.cli import main
 from h2o_compile.quality.stream import StreamRun, age_bin_edges, stream_perplexity
 from h2o_compile.quality.stream_report import age_summary
-from h2o_compile.zoo.loading import load_local
+from h2o_compile.zoo.loading import load_pretrained
 from tests.runtime.arch_configs import VOCAB, build
 
 
@@ -169,7 +169,7 @@ def test_stream_cli_runs_each_rule_and_reports_ages(tmp_path, text):
     report = json.loads((out / "stream.json").read_text())
     assert [(r["policy"], r["rule"]) for r in report["runs"]] == [("h2o", "sum"), ("h2o", "decay=0.9"), ("sink", "-")]
     # every slot of the shipped Llama (full attention only) is filled after 600 tokens: all of them are counted
-    config = load_local("tiny")[0].config
+    config = load_pretrained("tiny")[0].config
     slots = 48 * config.num_hidden_layers * config.num_key_value_heads
     assert all(sum(r["age_counts"]) == slots for r in report["runs"])
     text_md = (out / "stream.md").read_text()
