@@ -55,14 +55,13 @@ def value_norm() -> None:
 
 def group_max() -> None:
     os.environ["H2O_COMPILE_NATIVE_CPU"] = "0"
-    from h2o_compile.kernels import reference
     from h2o_compile.kernels import reference_decode
 
     source = inspect.getsource(reference_decode.attend_decode)
     if "probs.sum(dim=2)" not in source:
-        raise SystemExit("reference_decode.attend_decode no longer sums its mass as probs.sum(dim=2); update this probe")
-    code = compile(source.replace("probs.sum(dim=2)", "probs.amax(dim=2)"), reference.__file__, "exec")
-    exec(code, reference.__dict__)
+        raise SystemExit("reference_decode.attend_decode no longer sums its mass as probs.sum(dim=2); update the probe")
+    code = compile(source.replace("probs.sum(dim=2)", "probs.amax(dim=2)"), reference_decode.__file__, "exec")
+    exec(code, reference_decode.__dict__)
 
 
 def layer_shares(shares) -> None:

@@ -186,6 +186,22 @@ def cmd_export(args) -> int:
     return 0
 
 
+def add_export_args(exp: argparse.ArgumentParser) -> None:
+    """The flags of ``h2o-compile export``, which ``optimum-cli export h2o`` takes too (integrations/optimum)."""
+    exp.add_argument("--model", required=True, help=MODEL_HELP)
+    exp.add_argument("--out", "-o", "--output", dest="out", default=None,
+                     help="output folder (default: runs/export-<time>)")
+    add_h2o_args(exp)
+    exp.add_argument("--max-seq-len", type=int, default=None,
+                     help="prompt + new tokens the export serves (default min(2048, max positions))")
+    exp.add_argument("--batch-size", type=int, default=None, help="fix the batch size (default: dynamic)")
+    exp.add_argument("--opset", type=int, default=18)
+    exp.add_argument("--op", choices=("function", "native"), default="function",
+                     help="function: H2OAttention with its ONNX function body (runs anywhere; the native op is "
+                          "chosen at load time when available); native: no body, needs the native op")
+    exp.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="h2o-compile", description="H2O KV-cache eviction for Hugging Face causal LMs")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version('h2o-compile')}")
@@ -210,18 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     exp = sub.add_parser("export", help="export an H2O model to ONNX for ONNX Runtime")
-    exp.add_argument("--model", required=True, help=MODEL_HELP)
-    exp.add_argument("--out", "-o", "--output", dest="out", default=None,
-                     help="output folder (default: runs/export-<time>)")
-    add_h2o_args(exp)
-    exp.add_argument("--max-seq-len", type=int, default=None,
-                     help="prompt + new tokens the export serves (default min(2048, max positions))")
-    exp.add_argument("--batch-size", type=int, default=None, help="fix the batch size (default: dynamic)")
-    exp.add_argument("--opset", type=int, default=18)
-    exp.add_argument("--op", choices=("function", "native"), default="function",
-                     help="function: H2OAttention with its ONNX function body (runs anywhere; the native op is "
-                          "chosen at load time when available); native: no body, needs the native op")
-    exp.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    add_export_args(exp)
     exp.set_defaults(func=cmd_export)
 
     demo = sub.add_parser("demo", help="offline demo: Gemma 3 270M (or the tiny model), full cache vs H2O at 20%%")
@@ -241,8 +246,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if hasattr(args, "compile") and args.command == "generate":
         args.compile = compile_choice(args.compile)
+    return run_command(args.func, args)
+
+
+def run_command(func, args) -> int:
+    """``func(args)``, the exit code; what the library raises for bad input, a missing file or a missing extra is
+    one line on stderr (exit code 2), not a traceback."""
     try:
-        return args.func(args)
+        return func(args)
     except (ValueError, FileNotFoundError, ImportError) as err:
         # What the library raises for bad input, a missing file or a missing extra: one line, no stack trace.
         # Anything else (a TypeError included) is a bug and keeps its traceback.

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..runtime import generation
+from ..runtime.hf_interface import register_for_pipelines
 from ..runtime.cache_plan import CachePlan
 from ..config import H2OConfig
 from .onnx import (CONFIG_FILE, FORMAT, FORMAT_VERSION, MODEL_FILE, TOKENIZER_FILES, state_input_names,
@@ -66,6 +67,7 @@ class H2OOrtModel:
             raise ValueError(f"this export has format_version={meta.get('format_version')!r}; this library reads "
                              f"{FORMAT_VERSION}: export the model again with export_onnx()")
         self.h2o_config = H2OConfig.from_dict(meta["config"])
+        register_for_pipelines(type(self))
         self.session = session
         self.meta = meta
         self.model_dir = model_dir
@@ -281,6 +283,18 @@ class H2OOrtModel:
     @property
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
+
+    # -- what transformers' pipelines ask of a causal LM (as H2OModel, runtime/hf_interface.py) ---------------
+
+    @classmethod
+    def can_generate(cls) -> bool:
+        """True: ``generate`` takes transformers' arguments (pipelines check this before calling it)."""
+        return True
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the logits the exported graph returns."""
+        return self._logits_dtype
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         return self.step(input_ids, attention_mask)

@@ -57,6 +57,10 @@ class CausalLMInterface:
                             f"{type(value).__name__}")
         self.model.generation_config = value
 
+    def tie_weights(self) -> None:
+        """Nothing to do: the wrapped model tied its weights when it was built (harnesses such as lm-eval's HFLM
+        call this on any model they are given)."""
+
     @property
     def dtype(self) -> torch.dtype:
         """The dtype of the model's floating-point weights (and of the cached keys and values)."""
@@ -212,24 +216,22 @@ class CausalLMInterface:
         self.__dict__.update(fresh.__dict__)
 
 
-_registered = False
+_registered: set = set()
 
 
 def register_for_pipelines(model_class: type) -> None:
     """Name ``model_class`` among transformers' causal LMs (``AutoModelForCausalLM.register``), once per process,
     so that ``pipeline("text-generation", model=opt)`` does not log that the class is unsupported (the pipeline
-    checks the class name against that table). The key is a config class of our own, which no checkpoint uses:
-    ``AutoModelForCausalLM`` still maps every transformers config to its own model."""
-    global _registered
-    if _registered:
+    checks the class name against that table). The key is a config class of our own, one per model class, which
+    no checkpoint uses: ``AutoModelForCausalLM`` still maps every transformers config to its own model."""
+    if model_class in _registered:
         return
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
-    class H2OCompileConfig(PretrainedConfig):
-        model_type = "h2o_compile"
-
-    AutoModelForCausalLM.register(H2OCompileConfig, model_class, exist_ok=True)
-    _registered = True
+    config_class = type(f"{model_class.__name__}Config", (PretrainedConfig,),
+                        {"model_type": f"h2o_compile_{model_class.__name__.lower()}"})
+    AutoModelForCausalLM.register(config_class, model_class, exist_ok=True)
+    _registered.add(model_class)
 
 
 def _check_scoring_inputs(input_ids, attention_mask, labels, prompt_length) -> Optional[Tensor]:
