@@ -20,7 +20,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs one worker per cor
 # handed out last would leave the other worker idle at the end.
 SLOW_FILES = ("tests/test_cli_end_to_end.py", "tests/bench/test_cuda.py", "tests/export/test_onnx_export.py",
               "tests/runtime/test_gemma3_270m.py", "tests/runtime/test_tensor_parallel.py",
-              "tests/kernels/test_triton_models.py", "tests/runtime/test_quantized_model.py")
+              "tests/kernels/test_triton_models.py", "tests/runtime/test_quantized_model.py",
+              "tests/integrations/test_lm_eval.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -50,6 +50,12 @@ def test_every_command_takes_model_and_out_where_it_loads_or_writes():
             assert "--out" in actions and actions["--out"].default is None, name  # None: a new folder in ./runs
 
 
+def test_every_configuring_command_takes_preset_and_rule():
+    for name in CONFIGURING:  # a sweep's --rule takes a list of rule strings; a preset name is one of them
+        flags = {flag for action in _actions(_commands()[name]).values() for flag in action.option_strings}
+        assert {"--preset", "--rule"} <= flags, name
+
+
 def test_compile_has_the_same_choices_and_default_everywhere():
     found = 0
     for name, parser in _commands().items():

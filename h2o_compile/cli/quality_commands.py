@@ -239,7 +239,7 @@ def add_quality_parsers(sub) -> None:
                     help="compress sliding-window layers to the budget too (default: they keep their window)")
     ev.add_argument("--sink-tokens", "--h2o-sinks", dest="h2o_sinks", type=int, default=0,
                     help="also evaluate h2o with this many sink tokens")
-    ev.add_argument("--rule", "--rules", "--h2o-rules", dest="h2o_rules", type=csv_of(str), default=[],
+    ev.add_argument("--rule", "--rules", "--h2o-rules", "--preset", dest="h2o_rules", type=csv_of(str), default=[],
                     help="also evaluate h2o under these rules, comma-separated, each in the rule syntax "
                          "(H2OConfig.parse): presets, mean, max, tova, snapkv, decay=G, window=W, "
                          "pool=K, recent=R (the recent window's share), global=S (full-attention layers' share of "
@@ -271,7 +271,7 @@ def add_quality_parsers(sub) -> None:
                     help="the cap of --positions capped (default: half the model's max_position_embeddings)")
     st.add_argument("--sink-tokens", type=int, default=None, help="default: 0 for h2o, 4 for sink")
     st.add_argument("--window-tokens", type=int, default=4096, help="scored tokens per reported window")
-    st.add_argument("--rule", "--rules", dest="rules", type=csv_of(str), default=["sum"],
+    st.add_argument("--rule", "--rules", "--preset", dest="rules", type=csv_of(str), default=["sum"],
                     help="h2o score rules, one run each: sum, mean, max, tova, decay=G, global=S and "
                          "sliding=SCORE (with --compress-sliding), joined by '+' (sum); no prompt rules (window=, "
                          "pool=, snapkv): a stream has no prompt")
@@ -291,7 +291,7 @@ def add_quality_parsers(sub) -> None:
                     help="fractions kept, comma-separated")
     tk.add_argument("--policy", "--policies", dest="policies", type=csv_of(str), default=["h2o", "sink", "local"],
                     help="comma-separated, from h2o, local, sink, random")
-    tk.add_argument("--rule", "--rules", dest="rules", type=csv_of(str), default=["sum"],
+    tk.add_argument("--rule", "--rules", "--preset", dest="rules", type=csv_of(str), default=["sum"],
                     help="h2o score rules: sum, mean, max, tova, snapkv, decay=G, window=W, pool=K, global=S and "
                          "sliding=SCORE (with --compress-sliding), joined by '+'")
     tk.add_argument("--compress-sliding", action="store_true",

@@ -8,7 +8,9 @@ position (:meth:`OpSchema.index`) instead of counting. Shapes and meaning: kerne
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 REQUIRED = object()
@@ -53,20 +55,15 @@ class OpSchema:
     def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
         """``{name: value}`` of a call (positional ``args`` in order, then ``kwargs``, then the defaults);
         TypeError for an unknown or missing argument."""
-        if len(args) > len(self.args):
-            raise TypeError(f"the op takes {len(self.args)} arguments, got {len(args)}")
-        bound = dict(zip(self.names, args))
-        unknown = sorted(set(kwargs) - set(self.names[len(args):]))
-        if unknown:
-            raise TypeError(f"unexpected or repeated arguments {unknown}; the op takes {list(self.names)}")
-        bound.update(kwargs)
-        for a in self.args[len(args):]:
-            if a.name not in bound:
-                if a.default is REQUIRED:
-                    raise TypeError(f"missing argument {a.name!r}")
-                bound[a.name] = a.default
-        return bound
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
 
+    @cached_property
+    def _signature(self) -> inspect.Signature:
+        return inspect.Signature([inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                    default=inspect.Parameter.empty if a.default is REQUIRED
+                                                    else a.default) for a in self.args])
 
 H2O_ATTENTION = OpSchema(
     args=(
