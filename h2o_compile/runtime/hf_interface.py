@@ -175,7 +175,10 @@ class CausalLMInterface:
         from transformers import AutoModelForCausalLM
         from transformers.utils import cached_file
 
-        path = cached_file(str(model_dir), H2O_FILE, _raise_exceptions_for_missing_entries=False)
+        try:
+            path = cached_file(str(model_dir), H2O_FILE, _raise_exceptions_for_missing_entries=False)
+        except OSError:  # neither a folder nor a repository id transformers can resolve
+            path = None
         if path is None:
             raise ValueError(f"{model_dir} has no {H2O_FILE}: write it with H2OModel.save_pretrained(), or "
                              "optimize(AutoModelForCausalLM.from_pretrained(dir), ...) a plain checkpoint")

@@ -79,7 +79,7 @@ def load_pretrained(name: str, dtype: str = "float32"):
         if not path.is_file():
             raise FileNotFoundError(f"--model {name!r}: no such .gguf file")
         return load_gguf(path, torch_dtype)
-    kinds = f"a Hub id, a folder with a config.json, a .gguf file, or one of {', '.join(MODELS)}"
+    kinds = f"a folder with a config.json, a Hub id, a .gguf file, or one of {', '.join(MODELS)}"
     local = (path / "config.json").is_file()
     if not local and (path.exists() or not _HUB_ID.fullmatch(name)):
         raise ValueError(f"--model {name!r} is not {kinds}")
