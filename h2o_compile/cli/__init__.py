@@ -1,5 +1,5 @@
 """``h2o-compile``: demo | generate | export | eval | eval-merge | stream | tasks | tasks-merge | bench (the
-quality commands live in quality/commands.py; the shared flag vocabulary in arguments.py)."""
+quality commands live in cli/quality_commands.py; the shared flag vocabulary in cli/arguments.py)."""
 
 from __future__ import annotations
 

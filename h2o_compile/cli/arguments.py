@@ -1,5 +1,6 @@
-"""The one flag vocabulary of ``h2o-compile``, shared by the command modules (cli.py, quality/commands.py), which
-import this one and not each other, and by the scripts under benchmarks/.
+"""The one flag vocabulary of ``h2o-compile``, shared by the command modules (cli/__init__.py,
+cli/quality_commands.py, and through them optimum-cli's ``export h2o``), which import this one and not each other,
+and by the scripts under benchmarks/.
 
 Every subcommand says a model with ``--model`` (a shipped name, a Hub id, a local folder or a .gguf file), a
 budget with ``--budget`` (a fraction of the sequence or a number of slots; a list where the command sweeps), a
