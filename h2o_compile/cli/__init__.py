@@ -17,7 +17,7 @@ from ..runtime import optimize
 from .demo import run_demo
 from ..bench.decode import BenchSettings, run_bench
 from ..bench.report import write_bench_report
-from ..export import export_onnx
+from ..export import H2OOrtModel, export_onnx
 from .quality_commands import add_quality_parsers
 
 
@@ -68,8 +68,6 @@ def cmd_generate(args) -> int:
 
     if args.backend == "onnx":
         require("generate --backend onnx", "onnx", "onnxruntime")
-        from ..export.ort import H2OOrtModel
-
         runner = H2OOrtModel.from_pretrained(args.model, native=True if args.native else "auto")
         tokenizer = runner.tokenizer
         if tokenizer is None:

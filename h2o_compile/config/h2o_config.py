@@ -353,3 +353,7 @@ class H2OConfig:
                 f"recent_ratio {self.recent_ratio})) exceeds the cache capacity {capacity}; "
                 "raise the budget or lower sink_tokens / recent_ratio"
             )
+
+
+# The names H2OConfig.from_options takes: its fields and its ScoreRule's side by side (the nested rule aside).
+OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(H2OConfig) if f.name != "rule") | frozenset(_RULE_FIELDS)

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ..graph.capture import build_graph
+from ..runtime import H2OModel, resolve_config
 from ..runtime.cache_plan import CachePlan
 from ..config import H2OConfig, check_served
 from ..kernels.rules import POLICY_CODES, SCORES, parse_rule
@@ -114,8 +115,6 @@ def _h2o_translation(*args, **kwargs):
 def _resolve_config(model, config, options: dict) -> tuple[nn.Module, H2OConfig]:
     """An H2OModel lends its H2OConfig (``config`` / ``options`` win); a transformers model gets ``config``
     (default: the paper's) with ``options``."""
-    from ..runtime.model import H2OModel, resolve_config
-
     if isinstance(model, H2OModel):
         return model.model, resolve_config(model.h2o_config if config is None else config, None, options)
     if not isinstance(model, nn.Module) or not hasattr(model, "config"):

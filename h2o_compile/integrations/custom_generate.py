@@ -12,15 +12,14 @@ are transformers' own. The optimized model is built once per model and settings 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
-from ..config import H2OConfig, ScoreRule
+from ..config import OPTION_NAMES, H2OConfig
 from ..runtime import optimize, resolve_config
 
 CUSTOM_GENERATE = str(Path(__file__).resolve().parent / "hub")
-_H2O_OPTIONS = ({"budget", "config", "compile", "compression_ratio"} | {f.name for f in dataclasses.fields(H2OConfig)}
-                | {f.name for f in dataclasses.fields(ScoreRule)}) - {"rule"}
+# compression_ratio: kvpress's name, taken so that H2OConfig refuses it with the budget it means.
+H2O_KEYWORDS = frozenset({"budget", "config", "compile", "compression_ratio"}) | OPTION_NAMES
 # generate's arguments that select what an H2O cache does not do: named when set.
 _REFUSED = ("prefix_allowed_tokens_fn", "synced_gpus", "assistant_model", "negative_prompt_ids",
             "negative_prompt_attention_mask")
@@ -36,9 +35,7 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
         raise ValueError(f"{', '.join(refused)}: not served with an H2O cache (custom_generate=h2o_compile); "
                          "drop them or call generate without custom_generate")
     kwargs.pop("use_model_defaults", None)  # generate's defaults are the model's generation_config either way
-    options = {name: kwargs.pop(name) for name in list(kwargs) if name in _H2O_OPTIONS}
-    compile_mode = options.pop("compile", False)  # a script's few calls: eager unless asked
-    config = resolve_config(options.pop("config", None), options.pop("budget", None), options)
+    config, compile_mode = pop_h2o_settings(kwargs)
     key = (config.to_string(), compile_mode, str(model.device), model.dtype)
     if key not in model.__dict__.get(_CACHE, {}):
         opt = optimize(model, config=config, compile=compile_mode)
@@ -50,3 +47,12 @@ def generate(model, inputs=None, generation_config=None, logits_processor=None, 
         raise ValueError("custom_generate=h2o_compile needs the prompt: input_ids (or inputs)")
     return models[key].generate(input_ids, kwargs.pop("attention_mask", None), generation_config, logits_processor,
                                 stopping_criteria, streamer, **kwargs)
+
+
+def pop_h2o_settings(kwargs: dict) -> tuple[H2OConfig, object]:
+    """Take the H2O keyword arguments (:data:`H2O_KEYWORDS`) out of ``kwargs``: the H2OConfig they say (a bad one
+    raises here, before any model loads) and the compile setting (False unless given: an evaluation or a script
+    makes few calls)."""
+    options = {name: kwargs.pop(name) for name in list(kwargs) if name in H2O_KEYWORDS}
+    compile_mode = options.pop("compile", False)
+    return resolve_config(options.pop("config", None), options.pop("budget", None), options), compile_mode

@@ -16,18 +16,14 @@ per token), generate_until through ``generate`` (the prompt as one block, then d
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from ..config import H2OConfig, ScoreRule
 from ..runtime import optimize
-
-_H2O_ARGS = ({"budget", "config", "compile"} | {f.name for f in dataclasses.fields(H2OConfig)}
-             | {f.name for f in dataclasses.fields(ScoreRule)}) - {"rule"}
+from .custom_generate import pop_h2o_settings
 
 
 @register_model("h2o")
@@ -35,11 +31,10 @@ class H2OLM(HFLM):
     """lm-eval's HFLM over ``optimize(<the model HFLM loads>, budget, config=..., **H2O options)``."""
 
     def __init__(self, pretrained, **kwargs):
-        h2o = {name: kwargs.pop(name) for name in list(kwargs) if name in _H2O_ARGS}
-        compile_mode = h2o.pop("compile", False)
+        config, compile_mode = pop_h2o_settings(kwargs)  # before the model loads: a bad setting fails first
         kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")  # HFLM's default is cuda
         super().__init__(pretrained=pretrained, **kwargs)
-        self._model = optimize(self._model, config=h2o.pop("config", None), compile=compile_mode, **h2o)
+        self._model = optimize(self._model, config=config, compile=compile_mode)
 
 
 def main() -> None:

@@ -140,7 +140,7 @@ class CausalLMInterface:
         ``get_result``, ``stop``). ``continuous_batching_config``: only its ``max_requests_per_batch`` is read
         (the rows, unless ``max_batch_size`` is given); ``workload_hints`` size paged caches and are ignored.
         Other arguments: :class:`h2o_compile.runtime.continuous_batching.ContinuousBatchingManager`."""
-        from .continuous_batching import ContinuousBatchingManager
+        from .continuous_batching import ContinuousBatchingManager  # on use, as in generate_batch
 
         rows = getattr(continuous_batching_config, "max_requests_per_batch", None)
         if rows is not None:

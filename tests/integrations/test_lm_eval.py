@@ -100,3 +100,10 @@ def test_h2o_at_a_covering_budget_gives_the_original_models_figures(task_dir):
                                                      "dtype=float32")
     assert evicting["h2o_rolling"]["word_perplexity"] != pytest.approx(original["h2o_rolling"]["word_perplexity"],
                                                                        rel=1e-3)
+
+
+def test_a_bad_h2o_setting_fails_before_the_model_loads(tmp_path):
+    from h2o_compile.integrations.lm_eval_model import H2OLM
+
+    with pytest.raises(ValueError, match="decay=2"):
+        H2OLM(pretrained=str(tmp_path / "no-model-here"), config="max+decay=2")
