@@ -9,10 +9,10 @@ from .config import PRESETS, H2OConfig, ScoreRule
 from .export import H2OOrtModel, export_onnx
 from .graph.support import UnsupportedModelError
 from .integrations import CUSTOM_GENERATE
-from .runtime import H2OModel, optimize
+from .runtime import H2OModel, calibrate, optimize
 from . import zoo
 from .zoo import load_gemma3_270m, load_tiny
 
 __all__ = ["CUSTOM_GENERATE", "H2OConfig", "H2OModel", "H2OOrtModel", "PRESETS", "ScoreRule", "UnsupportedModelError",
-           "export_onnx", "load_gemma3_270m", "load_tiny", "optimize", "zoo"]
+           "calibrate", "export_onnx", "load_gemma3_270m", "load_tiny", "optimize", "zoo"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""``h2o-compile``: demo | generate | export | eval | eval-merge | stream | tasks | tasks-merge | bench (the
+"""``h2o-compile``: demo | generate | export | eval | eval-merge | stream | tasks | tasks-merge | calibrate | bench (the
 quality commands live in cli/quality_commands.py; the shared flag vocabulary in cli/arguments.py)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from ..config import POLICIES
 from ..reporting import command_line, print_report
 from ..zoo.loading import load_pretrained
 from ..runtime import optimize
+from .calibrate import add_calibrate_parser
 from .demo import run_demo
 from ..bench.decode import BenchSettings, run_bench
 from ..bench.report import write_bench_report
@@ -235,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     add_quality_parsers(sub)
+    add_calibrate_parser(sub, add_h2o_args, config_of)
     add_bench_parser(sub)
     return parser
 

@@ -19,16 +19,17 @@ class Capability:
     prompt_options: bool = True
     kv_dtypes: tuple[str, ...] = ("model", "int8")
     positions: tuple[str, ...] = ("true", "rolling", "capped")
+    allocations: tuple[str, ...] = ("uniform", "calibrated", "prompt")  # H2OConfig.allocation (a tuple: calibrated)
     why_not: str = ""  # said with every refusal
 
     def serves_score(self, score: str) -> bool:
         return not self.onnx_scores or SCORES[score].onnx_code is not None
 
 
-_ONNX_WHY = ("the exported graph has no input that marks the prompt block, and the rule's arithmetic is "
-             "written out in ONNX (export/onnx_function.py) and C++ (export/native/h2o_rule.h) for the scores "
-             "listed there only")
-_ONNX = Capability(onnx_scores=True, prompt_options=False, why_not=_ONNX_WHY)
+_ONNX_WHY = ("the exported graph has no input that marks the prompt block, its state is sized from the export's "
+             "metadata before any prompt is read, and the rule's arithmetic is written out in ONNX "
+             "(export/onnx_function.py) and C++ (export/native/h2o_rule.h) for the scores listed there only")
+_ONNX = Capability(onnx_scores=True, prompt_options=False, allocations=("uniform", "calibrated"), why_not=_ONNX_WHY)
 
 # The backends a user can end up on: optimize() runs the first four (by device and compile), export_onnx() the
 # last three (H2OOrtModel picks the native op when its library is built). "native CPU ops" compute the attention
@@ -59,6 +60,9 @@ def _refusals(config, cap: Capability) -> list[str]:
         refused.append(f"kv_dtype={config.kv_dtype!r}")
     if config.positions not in cap.positions:
         refused.append(f"positions={config.positions!r}")
+    allocation = "calibrated" if isinstance(config.allocation, tuple) else config.allocation
+    if allocation not in cap.allocations:
+        refused.append(f"allocation={allocation!r}")
     return refused
 
 
@@ -76,11 +80,12 @@ def check_served(config, backend: str) -> None:
 
 def capability_table() -> str:
     """The table as Markdown: one row per backend, one column per registered score, then the other options."""
-    head = ["backend"] + [f"score={s}" for s in SCORES] + ["prompt window / pool", "int8 entries", "positions"]
+    head = ["backend"] + [f"score={s}" for s in SCORES] + ["prompt window / pool", "int8 entries", "positions",
+                                                           "allocation"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, cap in CAPABILITIES.items():
         cells = [name] + ["yes" if cap.serves_score(s) else "refused" for s in SCORES]
         cells += ["yes" if cap.prompt_options else "refused", "yes" if "int8" in cap.kv_dtypes else "refused",
-                  ", ".join(cap.positions)]
+                  ", ".join(cap.positions), ", ".join(cap.allocations)]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -15,6 +15,7 @@ from .rule_string import PRESET_OPTIONS, format_options, read_options
 
 POSITIONS = ("true", "rolling", "capped")
 POLICIES = ("h2o", "local", "sink", "random", "full")
+ALLOCATIONS = ("uniform", "prompt")  # or a tuple of per-layer shares
 CONFIG_VERSION = 1  # of to_dict(): from_dict() reads this version
 
 # StreamingLLM keeps four "attention sink" tokens; the `sink` policy uses that unless told otherwise.
@@ -117,6 +118,13 @@ class H2OConfig:
             min(C, W) on every sliding one, so while C <= W a sliding layer gets (L - global_share x L_full) /
             L_sliding x C (L layers, L_full of them full-attention); once C > W the sliding layers give up
             part of their window. 1.0 = every layer C (the paper).
+        allocation: how the budget's slots are split between layers. ``"uniform"``: C on every layer (the
+            paper). ``"prompt"``: each request's prompt chooses the split (its attention read once before the
+            cache is sized, runtime/allocation.py): the layers whose attention is spread get more slots,
+            the concentrated ones fewer, the total at most the uniform split's. A tuple of one float per layer:
+            each layer's slots as a multiple of C, as :func:`h2o_compile.calibrate` measures them once on a
+            calibration text (saved with the config). The split covers the layers the budget governs: the
+            sliding-window layers too with ``compress_sliding`` (each at most its window).
         positions: ``"true"`` rotates keys at their text positions (the model's own behaviour);
             ``"rolling"`` caches keys before RoPE and rotates them by their rank in the cache at attention
             time (StreamingLLM), so a stream can run past the model's max_position_embeddings with every
@@ -141,6 +149,7 @@ class H2OConfig:
     seed: int = 0
     compress_sliding: bool = False
     global_share: float = 1.0
+    allocation: Union[str, tuple[float, ...]] = "uniform"
     positions: str = "true"
     max_distance: Optional[int] = None
     rule: ScoreRule = field(default_factory=ScoreRule)
@@ -176,6 +185,7 @@ class H2OConfig:
         if not isinstance(self.compress_sliding, bool):
             raise ValueError(f"compress_sliding={self.compress_sliding!r} must be True or False")
         self._check_global_share()
+        self._check_allocation()
         if self.positions not in POSITIONS:
             raise ValueError(f"positions={self.positions!r}; allowed: {', '.join(map(repr, POSITIONS))}")
         if self.max_distance is not None:
@@ -285,6 +295,26 @@ class H2OConfig:
         if share != 1.0 and self.policy == "full":
             raise ValueError(f"global_share={share!r} with policy='full': every layer keeps every token, there "
                              "are no slots to move")
+
+    def _check_allocation(self) -> None:
+        value = self.allocation
+        if isinstance(value, list):
+            value = self.allocation = tuple(value)  # from JSON
+        if isinstance(value, tuple):
+            bad = [v for v in value if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
+            if bad or not value:
+                raise ValueError(f"allocation={value!r}: a calibrated split is one share > 0 per layer (each "
+                                 "layer's slots as a multiple of C); got " + (f"{bad[0]!r}" if bad else "none"))
+            self.allocation = tuple(float(v) for v in value)
+        elif value not in ALLOCATIONS:
+            raise ValueError(f"allocation={value!r}; allowed: {', '.join(map(repr, ALLOCATIONS))} or a tuple of "
+                             "per-layer shares (h2o_compile.calibrate)")
+        if value != "uniform" and self.global_share != 1.0:
+            raise ValueError(f"allocation={value!r} with global_share={self.global_share!r}: both split the slots "
+                             "between layers; choose one")
+        if value != "uniform" and self.policy == "full":
+            raise ValueError(f"allocation={value!r} with policy='full': every layer keeps every token, there are "
+                             "no slots to split")
 
     def layer_rules(self, windows: Sequence[int]) -> list[str]:
         """The ``EvictionRule.spec`` of every layer (``windows``: each layer's sliding window, 0 = full

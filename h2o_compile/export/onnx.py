@@ -43,9 +43,9 @@ import torch
 from torch import nn
 
 from ..graph.capture import build_graph
-from ..runtime import H2OModel, resolve_config
+from ..config import H2OConfig, check_served, resolve_config
+from ..runtime import H2OModel
 from ..runtime.cache_plan import CachePlan
-from ..config import H2OConfig, check_served
 from ..kernels.rules import POLICY_CODES, SCORES, parse_rule
 from ..ops import H2O_ATTENTION
 from ..graph.passes import set_h2o_params

@@ -15,7 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import OPTION_NAMES, H2OConfig
-from ..runtime import optimize, resolve_config
+from ..config import resolve_config
+from ..runtime import optimize
 
 CUSTOM_GENERATE = str(Path(__file__).resolve().parent / "hub")
 # compression_ratio: kvpress's name, taken so that H2OConfig refuses it with the budget it means.

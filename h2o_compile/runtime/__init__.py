@@ -2,6 +2,7 @@
 continuous batching) and :func:`optimize`, which builds one."""
 
 from .compiling import decode_step_graph
-from .model import H2OModel, optimize, resolve_config
+from .allocation import calibrate
+from .model import H2OModel, optimize
 
-__all__ = ["H2OModel", "decode_step_graph", "optimize", "resolve_config"]
+__all__ = ["H2OModel", "calibrate", "decode_step_graph", "optimize"]

@@ -67,18 +67,20 @@ class CachePlan:
     @classmethod
     def build(cls, config: H2OConfig, specs: Sequence[LayerSpec], limits: ModelLimits, *,
               max_seq_len: Optional[int] = None, capacity: Optional[int] = None,
-              rolling_block: Optional[int] = None) -> CachePlan:
+              rolling_block: Optional[int] = None, shares: Optional[Sequence[float]] = None) -> CachePlan:
         """Plan for a sequence of at most ``max_seq_len`` tokens, or a stream of ``capacity`` slots (one of
-        the two). Checks that the sequence fits the model's positions (ValueError): with true positions its
-        length; with rolling positions and ``rolling_block`` given, the last block of that many tokens (capped
-        distances: the longest block)."""
+        the two); ``shares``: each layer's slots as a multiple of C for this request (a prompt's split,
+        runtime/allocation.py), else the config's (:func:`layer_shares`). Checks that the sequence fits the
+        model's positions (ValueError): with true positions its length; with rolling positions and
+        ``rolling_block`` given, the last block of that many tokens (capped distances: the longest block)."""
         if (max_seq_len is None) == (capacity is None):
             raise ValueError(f"plan either a bounded sequence (max_seq_len) or a stream (capacity), "
                              f"not {'both' if capacity is not None else 'neither'}")
         if max_seq_len is not None:
             cls.check_lengths(config, limits, max_seq_len, rolling_block)
             capacity = config.capacity(max_seq_len)
-        shares = layer_shares(config, [spec.window for spec in specs], capacity, max_seq_len)
+        if shares is None:
+            shares = layer_shares(config, [spec.window for spec in specs], capacity, max_seq_len)
         layers = tuple(LayerPlan(spec, *layer_params(config, max_seq_len, spec.window, capacity, share))
                        for spec, share in zip(specs, shares))
         return cls(layers, capacity, max_seq_len)
@@ -145,13 +147,18 @@ class CachePlan:
 
 def layer_shares(config: H2OConfig, windows: Sequence[int], capacity: Optional[int] = None,
                  total_len: Optional[int] = None) -> list[float]:
-    """Each layer's slots as a multiple of C (``global_share``), given every layer's sliding window
-    (0 = full attention); all 1.0 by default. With ``capacity`` C (and ``total_len``, None for a stream)
-    the shares of that plan, which holds the uniform split's slots: C per full-attention layer plus
-    min(C, W) per sliding one. Without it, the shares while C <= every window, which any length's plan
-    is checked against first. ValueError when the model lacks one kind of layer or the full-attention
-    layers would take every slot."""
+    """Each layer's slots as a multiple of C (``global_share``, or a calibrated ``allocation``'s own shares),
+    given every layer's sliding window (0 = full attention); all 1.0 by default. With ``capacity`` C (and
+    ``total_len``, None for a stream) the global_share of that plan, which holds the uniform split's slots:
+    C per full-attention layer plus min(C, W) per sliding one. Without it, the shares while C <= every
+    window, which any length's plan is checked against first. ValueError when the model lacks one kind of
+    layer or the full-attention layers would take every slot."""
     windows, share = list(windows), float(config.global_share)
+    if isinstance(config.allocation, tuple):  # a calibrated split (runtime/allocation.py)
+        if len(config.allocation) != len(windows):
+            raise ValueError(f"allocation holds {len(config.allocation)} shares, one per layer of the model it was "
+                             f"calibrated on; this model has {len(windows)} layers (h2o_compile.calibrate it)")
+        return list(config.allocation)
     if share == 1.0:
         return [1.0] * len(windows)
     full = sum(1 for w in windows if w <= 0)

@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ..config import PRESET_OPTIONS, H2OConfig, check_served
+from ..config import H2OConfig, check_served, resolve_config
 from ..graph.capture import build_graph
 from ..graph.passes import (LayerSpec, cache_rotary_tables, copy_graph_module, last_position_logits,
                             runtime_recent_graph, set_h2o_params, weight_major_linears)
@@ -16,6 +16,7 @@ from ..graph.support import ModelLimits, check_capped_fits, check_rolling_fits, 
 from ..graph.tensor_parallel import shard_model
 from ..ops.dispatch import backend_for, compile_mode, eager_step_plan, freezes_weights
 from . import generation
+from .allocation import attention_curves, layer_split
 from .cache_plan import CachePlan, layer_shares, layer_sinks
 from .compiling import check_compile, check_regional_compile, compile_step, compile_step_by_layer, decode_step_graph
 from .hf_interface import CausalLMInterface, register_for_pipelines
@@ -243,6 +244,9 @@ class H2OModel(CausalLMInterface, nn.Module):
             self._check_positions(input_ids.shape[1])
         input_ids, valid, positions = generation.place_block(stream.seen, stream.fed, limit, input_ids,
                                                              attention_mask, self.device, self.vocab_size)
+        if stream.fed == 0 and self.h2o_config.allocation == "prompt" and input_ids.shape[1] > 1:
+            stream = self._split_by_prompt(input_ids, valid)
+            state = stream.tensors()
         query_from = self._prompt_query_from(valid) if stream.fed == 0 else None
         t = input_ids.shape[1]
         stream.fed += t
@@ -260,6 +264,19 @@ class H2OModel(CausalLMInterface, nn.Module):
                         query_from)
         return torch.cat([self._run_graph(input_ids[:, block], positions[:, block], valid[:, block], *state,
                                           query_from=query_from) for block in blocks], dim=1)
+
+    def _split_by_prompt(self, input_ids: Tensor, valid: Tensor) -> Stream:
+        """allocation="prompt": the fresh stream re-planned with the split this prompt's attention asks for
+        (runtime/allocation.py), its rows' token counts kept."""
+        old = self.stream
+        curves = attention_curves(self.model, input_ids, valid.long())
+        shares = layer_split(self.h2o_config, [spec.window for spec in self.layers], curves, old.max_seq_len,
+                             old.capacity)
+        plan = CachePlan.build(self.h2o_config, self.layers, self.limits, max_seq_len=old.max_seq_len,
+                               capacity=None if old.max_seq_len is not None else old.capacity, shares=shares)
+        self.stream = Stream(plan, int(old.seen.shape[0]), self.device)
+        self.stream.seen.copy_(old.seen)
+        return self.stream
 
     def _prompt_query_from(self, valid: Tensor) -> Optional[Tensor]:
         """[B] int64 for the prompt block (the first after reset) when the score rule treats the prompt
@@ -365,24 +382,12 @@ def optimize(model: nn.Module, budget: Union[float, int, None] = None, *, config
         else torch.device("cpu")
     check_served(config, "Triton" if backend_for(device) == "triton" else "reference")
     if tp is not False and tp is not None:
+        if config.allocation == "prompt":
+            raise ValueError("allocation='prompt' with tp: each rank would read only its own heads' attention and "
+                             "size its layers apart; calibrate the split once (h2o_compile.calibrate) and pass it")
         shard_model(model, tp, settings=config.to_string())  # each rank captures its own shard below
     graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized,
                                         max_distance=config.max_distance)
     layer_shares(config, [spec.window for spec in layers])  # a share the model's layers cannot take fails here
     check_regional_compile(regional_compile)
     return H2OModel(model, graph, layers, config, limits, compile=compile, regional_compile=regional_compile)
-
-
-def resolve_config(config: Union[H2OConfig, str, None], budget, options: dict) -> H2OConfig:
-    """``config`` (an H2OConfig, a preset name or a rule string; None = the paper's) with ``budget`` and
-    ``options`` applied."""
-    if config is None:
-        config = H2OConfig()
-    elif isinstance(config, str):
-        config = H2OConfig.parse(config)
-    elif not isinstance(config, H2OConfig):
-        raise TypeError(f"config={config!r} must be an H2OConfig, a preset name ({', '.join(PRESET_OPTIONS)}) or "
-                        "a rule string such as 'max+decay=0.99'")
-    if budget is not None:
-        options = {"budget": budget, **options}
-    return config.replace(**options) if options else config

@@ -28,6 +28,7 @@ CASES = {  # name -> (architecture, export op, settings)
     "gemma2_compressed": ("gemma2", "native", {"budget": 8, "policy": "h2o", "compress_sliding": True}),
     "gemma2_global_share": ("gemma2", "native", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                                  "global_share": 1.5}),
+    "llama_calibrated_split": ("llama", "native", {"budget": 6, "sink_tokens": 1, "allocation": (0.5, 1.5)}),
     "llama_rolling_mean": ("llama", "native", {"budget": 6, "sink_tokens": 1, "score": "mean",
                                                "positions": "rolling"}),
     "llama_decayed_peak": ("llama", "native", {"budget": 6, "sink_tokens": 1, "score": "max", "decay": 0.8}),

@@ -41,6 +41,9 @@ CASES = {
     # Slots by kind of layer: 12 on the full-attention layer, 6 on each sliding one (H2OConfig.global_share).
     "gemma3_global_share": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                        "global_share": 1.5}),
+    # A calibrated split (H2OConfig.allocation): 4, 14 and 6 slots on the three layers.
+    "gemma3_calibrated_split": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
+                                           "allocation": (0.5, 1.75, 0.75)}),
     # A score per kind of layer: the peak on the full-attention layer, the decayed sum on the sliding ones.
     "gemma3_score_per_kind": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                          "global_share": 1.5, "score": "max", "sliding_score": "sum",

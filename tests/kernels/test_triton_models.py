@@ -58,3 +58,18 @@ def test_hybrid_model_through_triton_equals_simulation(triton_backend, name, rul
     got = step_blocks(opt, ids.to(triton_backend), blocks).float().cpu()
     assert opt.stream.slots == [SLIDING["capacity"], FULL["capacity"], SLIDING["capacity"]]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_calibrated_split_through_triton_equals_simulation(triton_backend):
+    """allocation=(0.5, 1.6, 0.9) at 10 slots: 5, 16 and 9 slots, recent windows 2, 8 and 4 (round half even)."""
+    model = build("gemma3", seed=1)
+    ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
+    blocks = [20] + [1] * (LENGTH - 20)
+    per_layer = [dict(capacity=5, recent=2), dict(capacity=16, recent=8), dict(capacity=9, recent=4)]
+    want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
+                           layer_args=lambda layer, window: dict(per_layer[layer], sinks=SINKS))
+    opt = h2o_compile.optimize(model.to(triton_backend), budget=BUDGET, sink_tokens=SINKS, compile=False,
+                               compress_sliding=True, allocation=(0.5, 1.6, 0.9))
+    got = step_blocks(opt, ids.to(triton_backend), blocks).float().cpu()
+    assert opt.stream.slots == [5, 16, 9]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

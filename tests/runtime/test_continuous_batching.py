@@ -89,12 +89,14 @@ def _alone(opt, prompt, kwargs) -> tuple[list[int], list]:
     return out[0, len(prompt):].tolist(), _kept(opt, 0)
 
 
-@pytest.mark.parametrize("budget", [160, 8], ids=["covering", "evicting"])
-def test_requests_joining_and_leaving_equal_each_alone(optimized, monkeypatch, budget):
+@pytest.mark.parametrize("budget,options", [(160, {}), (8, {}), (8, dict(allocation=(0.5, 1.5)))],
+                         ids=["covering", "evicting", "calibrated-split"])
+def test_requests_joining_and_leaving_equal_each_alone(optimized, monkeypatch, budget, options):
     """Nine requests (prompts of 1-70 tokens, 2-25 new tokens, four ending on their own EOS at different steps, one
     on a stop string) join a batch of three rows at steps 0, 0, 0, 1, 4, 9, 9, 15, 22 and leave when done: each
-    one's tokens and kept positions equal it alone, with every slot covering it and with eviction (C = 8)."""
-    alone = optimized(budget)
+    one's tokens and kept positions equal it alone, with every slot covering it and with eviction (C = 8; with a
+    calibrated split 4 and 12 slots on the two layers)."""
+    alone = optimized(budget, **options)
     prompts = _prompts([5, 70, 1, 33, 12, 48, 2, 25, 60])
     news = [20, 9, 14, 25, 6, 18, 11, 2, 16]
     kwargs = [dict(max_new_tokens=n) for n in news]
@@ -107,7 +109,7 @@ def test_requests_joining_and_leaving_equal_each_alone(optimized, monkeypatch, b
     expected = [_alone(alone, p, k) for p, k in zip(prompts, kwargs)]
     assert [len(t) for t, _ in expected] != news  # some requests really did stop early
 
-    opt = optimized(budget)
+    opt = optimized(budget, **options)
     manager = cb.ContinuousBatchingManager(opt, max_batch_size=3)
     joins = [0, 0, 0, 1, 4, 9, 9, 15, 22]
     schedule = {}
@@ -120,8 +122,9 @@ def test_requests_joining_and_leaving_equal_each_alone(optimized, monkeypatch, b
         assert out.status == cb.RequestStatus.FINISHED and out.prompt_ids == prompts[i]
         assert out.generated_tokens == tokens, f"request {i}"
         assert kept[f"req_{i}"] == positions, f"request {i}"
-    if budget == 8:
-        assert max(len(h) for k in kept.values() for layer in k for h in layer) == 8  # eviction happened
+    if budget == 8:  # eviction happened: each layer held its slots at most
+        held = [max(len(h) for k in kept.values() for h in k[layer]) for layer in range(2)]
+        assert held == ([4, 12] if options else [8, 8])
     assert manager.running == 0 and int(opt.stream.seen.sum()) == 0
     assert all(bool((opt.kept_positions(layer) == -1).all()) for layer in range(2))  # every row freed
 

@@ -34,6 +34,7 @@ SCENARIOS = {
     "gemma3": ("gemma3", dict()),
     "gemma3_rolling": ("gemma3", dict(compress_sliding=True, positions="rolling", score="mean", prefill=4)),
     "gpt_oss_knorm": ("gpt_oss", dict(score="knorm", sink_tokens=1)),
+    "gemma3_calibrated_split": ("gemma3", dict(compress_sliding=True, allocation=(0.5, 1.5, 1.0))),  # 3, 9, 6 slots
 }
 
 

@@ -1,0 +1,94 @@
+"""``h2o-compile calibrate``: the split of the budget's slots between layers from a model's attention on a text
+(runtime/allocation.py), printed as a rule string and written as h2o_config.json, with a plot of the split next
+to the attention statistics that chose it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..graph.support import check_supported
+from ..runtime.allocation import attention_curves, layer_split
+from ..runtime.cache_plan import layer_params
+from ..zoo.loading import load_pretrained
+from .arguments import MODEL_HELP, require
+
+
+def add_calibrate_parser(sub, add_h2o_args, config_of) -> None:
+    cal = sub.add_parser("calibrate", help="split the budget's slots between layers by the model's attention")
+    cal.add_argument("--model", required=True, help=MODEL_HELP)
+    cal.add_argument("--text", required=True, help="a plain-text file to calibrate on (text of the kind served)")
+    cal.add_argument("--tokens", type=int, default=1024, help="tokens per calibration row: the sequence length served")
+    cal.add_argument("--rows", type=int, default=2, help="rows of --tokens tokens, read one after the other")
+    cal.add_argument("--out", default=None, help="folder for h2o_config.json, split.json and split.png")
+    add_h2o_args(cal)
+    cal.set_defaults(func=lambda args: cmd_calibrate(args, config_of(args)))
+
+
+def cmd_calibrate(args, config) -> int:
+    for name in ("tokens", "rows"):
+        if getattr(args, name) < (2 if name == "tokens" else 1):
+            raise ValueError(f"--{name} {getattr(args, name)}: allowed: an int >= {2 if name == 'tokens' else 1}")
+    if args.out:
+        require("calibrate --out", "matplotlib")
+    path = Path(args.text)
+    if not path.is_file():
+        raise FileNotFoundError(f"--text {args.text!r}: no such file")
+    model, tokenizer = load_pretrained(args.model)
+    need = args.tokens * args.rows
+    ids = tokenizer(path.read_text(encoding="utf-8", errors="replace")[: need * 16], return_tensors="pt").input_ids
+    if ids.shape[1] < need:
+        raise ValueError(f"--text {args.text!r} holds {ids.shape[1]} tokens; --tokens {args.tokens} x --rows "
+                         f"{args.rows} needs {need}")
+    ids = ids[0, :need].reshape(args.rows, args.tokens)
+    uniform = config.replace(allocation="uniform")
+    windows = check_supported(model).windows
+    curves = attention_curves(model, ids)
+    shares = layer_split(uniform, windows, curves, args.tokens)
+    calibrated = uniform.replace(allocation=shares)
+    c = uniform.capacity(args.tokens)
+    slots = [layer_params(uniform, args.tokens, w, share=s)[0] for s, w in zip(shares, windows)]
+    even = [layer_params(uniform, args.tokens, w)[0] for w in windows]
+    print(f"{'layer':>5} {'window':>6} {'slots':>6} {'share':>6}  mass kept by C={c} slots (uniform)")
+    for layer, (w, n, s, curve) in enumerate(zip(windows, slots, shares, curves)):
+        print(f"{layer:>5} {w or 'full':>6} {n:>6} {s:>6.3f}  {float(curve.mean(0)[min(c, curve.shape[1] - 1)]):.3f}")
+    print(f"slots in all: {sum(slots)} (the uniform split: {sum(even)})")
+    print(f"rule string: {calibrated.to_string()}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "h2o_config.json").write_text(json.dumps(calibrated.to_dict(), indent=2))
+        kept = [[float(v) for v in curve.mean(0)] for curve in curves]
+        (out / "split.json").write_text(json.dumps({"model": args.model, "text": args.text, "tokens": args.tokens,
+                                                    "rows": args.rows, "capacity": c, "windows": list(windows),
+                                                    "slots": slots, "shares": list(shares), "kept_mass": kept},
+                                                   indent=1))
+        plot_split(out / "split.png", windows, slots, c, curves, title=f"{args.model}, {args.tokens} tokens")
+        print(f"wrote {out}/h2o_config.json, split.json, split.png")
+    return 0
+
+
+def plot_split(path: Path, windows, slots, capacity: int, curves, title: str) -> None:
+    """Slots per layer (bars, uniform C dashed) beside each layer's kept-mass curve (where its split ends)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    colors = ["tab:orange" if w else "tab:blue" for w in windows]
+    left.bar(range(len(slots)), slots, color=colors)
+    left.axhline(capacity, color="gray", linestyle="--", label=f"uniform C = {capacity}")
+    left.set(xlabel="layer (blue: full attention, orange: sliding window)", ylabel="slots", title="the split")
+    left.legend()
+    for layer, (curve, n) in enumerate(zip(curves, slots)):
+        mean = curve.mean(0)
+        right.plot(range(len(mean)), mean, color=colors[layer], alpha=0.6)
+        right.plot([n], [float(mean[min(n, len(mean) - 1)])], "o", color=colors[layer], markersize=3)
+    right.axvline(capacity, color="gray", linestyle="--")
+    right.set(xscale="log", xlabel="slots c", ylabel="attention mass on the c most-attended keys",
+              title="what each layer's queries keep (dots: its split)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
