@@ -8,7 +8,8 @@ import h2o_compile
 
 from h2o_compile.cli import build_parser, main
 
-SUBCOMMANDS = ["demo", "generate", "export", "eval", "eval-merge", "stream", "tasks", "tasks-merge", "bench"]
+SUBCOMMANDS = ["demo", "generate", "export", "eval", "eval-merge", "stream", "tasks", "tasks-merge", "calibrate",
+               "bench"]
 
 
 @pytest.mark.parametrize("command", SUBCOMMANDS)
@@ -131,3 +132,30 @@ def test_model_arguments_take_gguf_files_and_zoo_names(tmp_path):
         load_pretrained(str(tmp_path / "nothing-here"))
     model, tokenizer = load_pretrained("tiny")
     assert model.config.model_type == "llama" and tokenizer("the river")["input_ids"]
+
+
+def test_calibrate_writes_the_split_it_prints(model_dir, tmp_path, capsys):
+    """calibrate: the printed rule string, h2o_config.json and calibrate() on the same tokens are one config; the
+    plot and the statistics are written; too short a text is a one-line error."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i % 37 + 1}" for i in range(400)))
+    out = tmp_path / "split"
+    args = ["calibrate", "--model", str(model_dir), "--text", str(text), "--tokens", "48", "--rows", "2",
+            "--budget", "0.25", "--preset", "recommended"]
+    assert main(args + ["--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    written = h2o_compile.H2OConfig.from_dict(json.loads((out / "h2o_config.json").read_text()))
+    assert f"rule string: {written.to_string()}" in printed
+    ids = AutoTokenizer.from_pretrained(model_dir)(text.read_text(), return_tensors="pt").input_ids[0, :96]
+    model = h2o_compile.zoo.loading.load_pretrained(str(model_dir))[0]
+    assert written == h2o_compile.calibrate(model, ids.reshape(2, 48), 0.25, config="recommended")
+    split = json.loads((out / "split.json").read_text())
+    assert len(split["shares"]) == len(split["kept_mass"]) == 2 and (out / "split.png").stat().st_size > 0
+    assert sum(split["slots"]) <= 2 * split["capacity"] and isinstance(written.allocation, tuple)
+    assert main(args[:-4] + ["--tokens", "4000"]) == 2
+    assert "needs 8000" in capsys.readouterr().err
+
