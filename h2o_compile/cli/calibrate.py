@@ -78,6 +78,7 @@ def plot_split(path: Path, windows, slots, capacity: int, curves, title: str) ->
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     colors = ["tab:orange" if w else "tab:blue" for w in windows]
     left.bar(range(len(slots)), slots, color=colors)
+    left.set_xticks(range(0, len(slots), max(1, len(slots) // 12)))
     left.axhline(capacity, color="gray", linestyle="--", label=f"uniform C = {capacity}")
     left.set(xlabel="layer (blue: full attention, orange: sliding window)", ylabel="slots", title="the split")
     left.legend()
