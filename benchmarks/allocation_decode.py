@@ -78,7 +78,8 @@ def main() -> None:
     lines = [f"# Decode speed: calibrated split vs uniform ({args.model})", "", f"Command: `{command}`  ",
              f"Machine: {machine}", "", "Compiled CPU step; prompt of "
              f"{args.prompt} tokens, {args.steps} timed steps, median of {args.repeats} alternating runs.", "",
-             "| batch | uniform tokens/s | calibrated tokens/s | calibrated / uniform | state MiB (uniform, calibrated) |",
+             "| batch | uniform tokens/s | calibrated tokens/s | calibrated / uniform | state MiB (uniform, "
+             "calibrated) |",
              "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['uniform_tokens_per_s']:.1f} | {r['calibrated_tokens_per_s']:.1f} | "

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from ..config import H2OConfig, resolve_config
 from ..graph.support import check_supported
-from .cache_plan import layer_params
+from .cache_plan import layer_params, least_slots
 
 
 @contextlib.contextmanager
@@ -129,14 +129,6 @@ def split_slots(curves: Sequence[Tensor], uniform: Sequence[int], least: Sequenc
         slots[neediest] += 1
         budget -= 1
     return slots
-
-
-def least_slots(config: H2OConfig, upto: int) -> int:
-    """The fewest slots a layer may hold under ``config``: its sinks and recent window fit (at most ``upto``)."""
-    for n in range(1, upto + 1):
-        if config.sink_tokens + config.recent_window(n) <= n:
-            return n
-    return upto
 
 
 def layer_split(config: H2OConfig, windows: Sequence[int], curves: Sequence[Tensor],

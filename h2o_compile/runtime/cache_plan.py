@@ -15,6 +15,7 @@ with compress_sliding), the recent window and sink count the op protects, and th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -203,7 +204,8 @@ def layer_params(config: H2OConfig, total_len: Optional[int], window: int, capac
     A full-attention layer (``window`` 0) gets C = capacity(total_len). A sliding-window layer keeps
     min(W, total_len) slots, all protected (only keys that left the window are evicted: no choice to
     make), or with ``compress_sliding`` min(C, W) slots under the policy. ``share`` (the layer's entry of
-    :func:`layer_shares`) scales C first: round(share x C), at most total_len.
+    :func:`layer_shares`) scales C first: round(share x C), at most total_len (a split's ``allocation``:
+    rounded down, at least the slots its sinks and recent window need).
     """
     if total_len is None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
@@ -212,7 +214,10 @@ def layer_params(config: H2OConfig, total_len: Optional[int], window: int, capac
         cap, total_len = capacity, None
     else:
         cap = config.capacity(total_len)
-    if share != 1.0:
+    if share != 1.0 and config.allocation != "uniform":  # rounded down, so a split never holds more in all
+        cap = max(least_slots(config, cap), math.floor(cap * share + 1e-6))
+        cap = cap if total_len is None else min(cap, total_len)
+    elif share != 1.0:
         cap = max(1, round(cap * share))
         cap = cap if total_len is None else min(cap, total_len)
     if total_len is None:
@@ -226,6 +231,14 @@ def layer_params(config: H2OConfig, total_len: Optional[int], window: int, capac
     slots = min(cap, window)
     config.check_split(slots)
     return slots, config.recent_window(slots), layer_sinks(config, window)
+
+
+def least_slots(config: H2OConfig, upto: int) -> int:
+    """The fewest slots a layer may hold under ``config``: its sinks and recent window fit (at most ``upto``)."""
+    for n in range(1, upto + 1):
+        if config.sink_tokens + config.recent_window(n) <= n:
+            return n
+    return upto
 
 
 def layer_sinks(config: H2OConfig, window: int) -> int:
