@@ -15,7 +15,7 @@ from h2o_compile.cli.arguments import COMPILE_CHOICES
 ALIASES = {"--budgets": "--budget", "--budget-slots": "--budget", "--models": "--model", "--policies": "--policy",
            "--kv-dtypes": "--kv-dtype", "--h2o-sinks": "--sink-tokens", "--recent-ratios": "--recent-ratio",
            "--rules": "--rule", "--h2o-rules": "--rule", "--output": "--out"}
-CONFIGURING = ("generate", "export", "eval", "stream", "tasks")  # the commands that build H2O configurations
+CONFIGURING = ("generate", "export", "eval", "stream", "tasks", "calibrate", "serve")  # the commands that build H2O configurations
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:
@@ -46,7 +46,7 @@ def test_every_command_takes_model_and_out_where_it_loads_or_writes():
         actions = _actions(parser)
         if name not in ("eval-merge", "tasks-merge"):
             assert "--model" in actions, name
-        if name != "generate":  # generate prints; the others write files
+        if name not in ("generate", "serve"):  # generate prints, serve serves; the others write files
             assert "--out" in actions and actions["--out"].default is None, name  # None: a new folder in ./runs
 
 

@@ -1,5 +1,5 @@
-"""``h2o-compile``: demo | generate | export | eval | eval-merge | stream | tasks | tasks-merge | calibrate | bench (the
-quality commands live in cli/quality_commands.py; the shared flag vocabulary in cli/arguments.py)."""
+"""``h2o-compile``: demo | generate | export | eval | eval-merge | stream | tasks | tasks-merge | calibrate | serve |
+bench (the quality commands live in cli/quality_commands.py; the shared flag vocabulary in cli/arguments.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ..zoo.loading import load_pretrained
 from ..runtime import optimize
 from .calibrate import add_calibrate_parser
 from .demo import run_demo
+from .serve import add_serve_parser
 from ..bench.decode import BenchSettings, run_bench
 from ..bench.report import write_bench_report
 from ..export import H2OOrtModel, export_onnx
@@ -237,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_quality_parsers(sub)
     add_calibrate_parser(sub, add_h2o_args, config_of)
+    add_serve_parser(sub, add_h2o_args, config_of)
     add_bench_parser(sub)
     return parser
 

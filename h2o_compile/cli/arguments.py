@@ -116,7 +116,8 @@ def default_out(command: str) -> Path:
 
 
 # The optional dependencies of a command: module -> the extra that installs it.
-EXTRAS = {"matplotlib": "eval", "onnx": "onnx", "onnxscript": "onnx", "onnxruntime": "onnx"}
+EXTRAS = {"matplotlib": "eval", "onnx": "onnx", "onnxscript": "onnx", "onnxruntime": "onnx", "fastapi": "serve",
+          "uvicorn": "serve", "openai": "serve"}
 
 
 def require(command: str, *modules: str) -> None:
