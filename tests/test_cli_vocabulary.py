@@ -15,7 +15,8 @@ from h2o_compile.cli.arguments import COMPILE_CHOICES
 ALIASES = {"--budgets": "--budget", "--budget-slots": "--budget", "--models": "--model", "--policies": "--policy",
            "--kv-dtypes": "--kv-dtype", "--h2o-sinks": "--sink-tokens", "--recent-ratios": "--recent-ratio",
            "--rules": "--rule", "--h2o-rules": "--rule", "--output": "--out"}
-CONFIGURING = ("generate", "export", "eval", "stream", "tasks", "calibrate", "serve")  # the commands that build H2O configurations
+# the commands that build H2O configurations
+CONFIGURING = ("generate", "export", "eval", "stream", "tasks", "calibrate", "serve")
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:

@@ -1,9 +1,9 @@
 """``h2o-compile serve``: the real server (transformers' own, uvicorn) in a subprocess on a free port of 127.0.0.1,
-talked to with the real ``openai`` client and plain HTTP (the standard library's): answers equal ``optimize(...).generate`` for the same prompt and
-settings, streamed or not, alone or with 16 clients at once; a client that leaves mid-stream frees its row; bad
-requests get a 4xx with a message and the server goes on serving. Every request has a timeout and every loop a
-bound. The model: the shipped one (trained weights) with a plain chat template, 4 rows of 16 slots, so answers
-of 40 tokens evict."""
+talked to with the real ``openai`` client and plain HTTP (the standard library's): answers equal
+``optimize(...).generate`` for the same prompt and settings, streamed or not, alone or with 16 clients at once; a
+client that leaves mid-stream frees its row; bad requests get a 4xx with a message and the server goes on serving.
+Every request has a timeout and every loop a bound. The model: the shipped one (trained weights) with a plain chat
+template, 4 rows of 16 slots, so answers of 40 tokens evict."""
 
 from __future__ import annotations
 
