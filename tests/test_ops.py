@@ -78,3 +78,23 @@ def test_materialize_returns_equal_copies_that_share_no_memory():
         torch.testing.assert_close(copy, original, rtol=0, atol=0)
         assert copy.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
     torch.library.opcheck(torch.ops.h2o.materialize.default, ([a, b],))  # the fake kernel agrees (compile needs it)
+
+
+def test_binding_a_call_compiles_on_a_fresh_schema():
+    """The compiled CPU step traces OpSchema.bind; a schema whose derived fields were never used eagerly (a server
+    compiles its decode step before any eager op call) must trace without a graph break, and bind the same."""
+    from h2o_compile.ops.schema import H2O_ATTENTION, OpSchema
+
+    fresh = OpSchema(H2O_ATTENTION.args, H2O_ATTENTION.state)
+    args = tuple(torch.zeros(1) for _ in range(4)) + (None,) + tuple(torch.zeros(1) for _ in range(4)) + (0.5,)
+    given = {"recent": 2, "sinks": 1, "policy": "h2o", "seed": 0}
+
+    def use(x):
+        bound = fresh.bind(args, given)
+        return x + bound["scale"] + bound["recent"] + bound["sinks"] + bound["window"]
+
+    compiled = torch.compile(use, fullgraph=True, backend="eager")
+    assert float(compiled(torch.zeros(1))) == 0.5 + 2 + 1 + 0
+    assert fresh.bind(args, given) == H2O_ATTENTION.bind(args, given)
+    with pytest.raises(TypeError, match="missing a required argument: 'sinks'"):
+        fresh.bind(args, {"recent": 2})

@@ -16,20 +16,17 @@ Memory is fixed up front: ``max_batch_size`` rows of C slots per layer (C: an in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
 import torch
 from transformers.cli.serve import Serve
 from transformers.cli.serving.model_manager import ModelLoader
-from transformers.cli.serving.utils import parse_model_id
 
 from ..config import H2OConfig
 from ..runtime import optimize
 from ..runtime.continuous_batching import ContinuousBatchingManager
-from ..zoo.gemma import gemma3_270m_path
-from ..zoo.loading import TINY_LLAMA_DIR
+from ..zoo.loading import transformers_id
 
 
 @dataclass(frozen=True)
@@ -54,20 +51,6 @@ class ServeSettings:
             raise ValueError("allocation='prompt' sizes each request's cache from its prompt; the server's rows "
                              "share one state: serve a calibrated split (h2o-compile calibrate)")
         return config
-
-
-def transformers_id(name: str) -> str:
-    """What transformers' loader takes for a model this library names: the shipped models by their name, a local
-    .gguf file as ``folder:file.gguf``; anything else (a folder, a Hub id) as it is."""
-    repo, revision, _ = parse_model_id(name)
-    if repo == "tiny":
-        return str(TINY_LLAMA_DIR)
-    if repo == "gemma3-270m":
-        path = gemma3_270m_path()
-        return f"{path.parent}:{path.name}"
-    if repo.endswith(".gguf") and Path(repo).is_file():
-        return f"{Path(repo).parent}:{Path(repo).name}"
-    return name
 
 
 class H2OModelLoader(ModelLoader):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any
 
 REQUIRED = object()
@@ -34,9 +33,15 @@ class OpSchema:
     args: tuple[Arg, ...]
     state: tuple[str, ...]
 
-    @cached_property
-    def names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.args)
+    def __post_init__(self) -> None:
+        # Derived once here, not lazily: the compiled decode step traces bind(), and dynamo cannot trace the lock
+        # of a cached_property filled on first use (a step compiled before any eager op call would break).
+        derived = {"names": tuple(a.name for a in self.args),
+                   "_defaults": {a.name: a.default for a in self.args if a.default is not REQUIRED},
+                   "_required": frozenset(a.name for a in self.args if a.default is REQUIRED)}
+        derived["_known"] = frozenset(derived["names"])
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
 
     def index(self, name: str) -> int:
         """The position of argument ``name`` in a call."""
@@ -59,22 +64,9 @@ class OpSchema:
         bound = dict(zip(self.names, args), **kwargs)
         if (len(args) > len(self.args) or len(bound) < len(args) + len(kwargs)  # too many, or one given twice
                 or not self._required <= bound.keys() <= self._known):
-            self._signature.bind(*args, **kwargs)  # raises the TypeError that names the argument
+            self._signature().bind(*args, **kwargs)  # raises the TypeError that names the argument
         return {**self._defaults, **bound}
 
-    @cached_property
-    def _defaults(self) -> dict[str, Any]:
-        return {a.name: a.default for a in self.args if a.default is not REQUIRED}
-
-    @cached_property
-    def _required(self) -> frozenset:
-        return frozenset(a.name for a in self.args if a.default is REQUIRED)
-
-    @cached_property
-    def _known(self) -> frozenset:
-        return frozenset(self.names)
-
-    @cached_property
     def _signature(self) -> inspect.Signature:
         return inspect.Signature([inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                     default=inspect.Parameter.empty if a.default is REQUIRED

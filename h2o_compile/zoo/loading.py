@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .gemma import load_gemma3_270m, load_gguf
+from .gemma import gemma3_270m_path, load_gemma3_270m, load_gguf
 
 TINY_LLAMA_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-llama"
 
@@ -99,3 +99,19 @@ def model_name(path) -> str:
     if not path or path == "tiny":
         return "tiny-llama"
     return path if path in MODELS else Path(path).name
+
+
+def transformers_id(name: str) -> str:
+    """What transformers' own loaders (``transformers serve``) take for a model this library names: the shipped
+    models by their zoo name, a local .gguf file as ``folder:file.gguf``; a folder or a Hub id as it is. A
+    ``@revision`` suffix (transformers' canonical form, ``tiny@main``) is dropped from a zoo name."""
+    zoo_name = name.partition("@")[0]
+    if zoo_name == "tiny":
+        return str(TINY_LLAMA_DIR)
+    if zoo_name == "gemma3-270m":
+        path = gemma3_270m_path()
+        return f"{path.parent}:{path.name}"
+    if name.endswith(".gguf") and Path(name).is_file():
+        return f"{Path(name).parent}:{Path(name).name}"
+    return name
+
