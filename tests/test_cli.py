@@ -139,6 +139,7 @@ def test_calibrate_writes_the_split_it_prints(model_dir, tmp_path, capsys):
     plot and the statistics are written; too short a text is a one-line error."""
     import json
 
+    import torch
     from transformers import AutoTokenizer
 
     text = tmp_path / "text.txt"
@@ -150,9 +151,11 @@ def test_calibrate_writes_the_split_it_prints(model_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     written = h2o_compile.H2OConfig.from_dict(json.loads((out / "h2o_config.json").read_text()))
     assert f"rule string: {written.to_string()}" in printed
-    ids = AutoTokenizer.from_pretrained(model_dir)(text.read_text(), return_tensors="pt").input_ids[0, :96]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer(text.read_text(), add_special_tokens=False).input_ids
+    rows = torch.tensor([ids[:48], ids[48:96]])  # the word tokenizer adds no BOS: two stretches of the text
     model = h2o_compile.zoo.loading.load_pretrained(str(model_dir))[0]
-    assert written == h2o_compile.calibrate(model, ids.reshape(2, 48), 0.25, config="recommended")
+    assert written == h2o_compile.calibrate(model, rows, 0.25, config="recommended")
     split = json.loads((out / "split.json").read_text())
     assert len(split["shares"]) == len(split["kept_mass"]) == 2 and (out / "split.png").stat().st_size > 0
     assert sum(split["slots"]) <= 2 * split["capacity"] and isinstance(written.allocation, tuple)

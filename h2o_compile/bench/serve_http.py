@@ -9,7 +9,8 @@ machine, each warmed up by two requests before the stream:
 - ``h2o``: ``h2o-compile serve`` (H2O continuous batching, ``rows`` rows of ``budget`` slots, compiled step);
 - ``transformers``: ``transformers serve --continuous-batching`` (paged attention), transformers' own settings.
 
-Measured per server: generated tokens / span (first arrival to last answer), p50 / p99 latency and time to
+Measured per server: generated tokens (the streamed text chunks: one per token as both servers stream) / span
+(first arrival to last answer), p50 / p99 latency and time to
 first token from each request's arrival, errors, and the resident memory of the server's processes (sampled
 every 0.5 s): after the warm-up and the first tenth of the stream, and the peak after that.
 """
@@ -146,10 +147,11 @@ async def _drive(s: HttpLoadSettings, url: str, model: str, stream: list[Request
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=1800, max_retries=0)
-    for request in stream[:2]:  # warm-up, untimed
-        await _one(client, s, model, Request(0.0, request.prompt, 8), time.perf_counter())
-    t0 = time.perf_counter()
-    results = await asyncio.gather(*(_one(client, s, model, r, t0) for r in stream))
+    async with client:
+        for request in stream[:2]:  # warm-up, untimed
+            await _one(client, s, model, Request(0.0, request.prompt, 8), time.perf_counter())
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(_one(client, s, model, r, t0) for r in stream))
     return list(results), t0
 
 
@@ -170,7 +172,10 @@ def run_server(name: str, s: HttpLoadSettings, stream: list[Request], log=print)
                     if response.status == 200:
                         break
             except OSError:
-                time.sleep(0.5)
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"{name} server did not answer /health in 10 minutes")
         log(f"{name}: serving on {url}")
         sampler = RssSampler(server.pid)
         results, t0 = asyncio.run(_drive(s, url, model, stream))

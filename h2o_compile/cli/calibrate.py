@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from ..graph.support import check_supported
 from ..runtime.allocation import attention_curves, layer_split
 from ..runtime.cache_plan import layer_params
@@ -35,12 +37,7 @@ def cmd_calibrate(args, config) -> int:
     if not path.is_file():
         raise FileNotFoundError(f"--text {args.text!r}: no such file")
     model, tokenizer = load_pretrained(args.model)
-    need = args.tokens * args.rows
-    ids = tokenizer(path.read_text(encoding="utf-8", errors="replace")[: need * 16], return_tensors="pt").input_ids
-    if ids.shape[1] < need:
-        raise ValueError(f"--text {args.text!r} holds {ids.shape[1]} tokens; --tokens {args.tokens} x --rows "
-                         f"{args.rows} needs {need}")
-    ids = ids[0, :need].reshape(args.rows, args.tokens)
+    ids = calibration_rows(tokenizer, path.read_text(encoding="utf-8", errors="replace"), args.tokens, args.rows)
     uniform = config.replace(allocation="uniform")
     windows = check_supported(model).windows
     curves = attention_curves(model, ids)
@@ -66,6 +63,21 @@ def cmd_calibrate(args, config) -> int:
         plot_split(out / "split.png", windows, slots, c, curves, title=f"{args.model}, {args.tokens} tokens")
         print(f"wrote {out}/h2o_config.json, split.json, split.png")
     return 0
+
+
+def calibration_rows(tokenizer, text: str, tokens: int, rows: int) -> torch.Tensor:
+    """[rows, tokens]: consecutive stretches of ``text``, each starting as the tokenizer starts a text (its BOS,
+    when it adds one), as the model sees a request. ValueError when the text is too short."""
+    start = tokenizer("a").input_ids[:1]
+    start = start if start and start[0] == tokenizer.bos_token_id else []
+    per_row = tokens - len(start)
+    ids = tokenizer(text[: per_row * rows * 16], add_special_tokens=False).input_ids
+    if len(ids) < per_row * rows:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+    if len(ids) < per_row * rows:
+        raise ValueError(f"--text holds {len(ids)} tokens; --tokens {tokens} x --rows {rows} needs "
+                         f"{per_row * rows} besides the rows' first token")
+    return torch.tensor([start + ids[i * per_row:(i + 1) * per_row] for i in range(rows)])
 
 
 def plot_split(path: Path, windows, slots, capacity: int, curves, title: str) -> None:

@@ -44,6 +44,9 @@ class ServeSettings:
         config = H2OConfig.parse(self.config)
         if isinstance(self.max_batch_size, bool) or not isinstance(self.max_batch_size, int) or self.max_batch_size < 1:
             raise ValueError(f"max_batch_size={self.max_batch_size!r} must be an int >= 1")
+        if self.max_seq_len is not None and (isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int)
+                                             or self.max_seq_len < 2):
+            raise ValueError(f"max_seq_len={self.max_seq_len!r} must be an int >= 2 (prompt + max_tokens) or None")
         if self.max_seq_len is None and (isinstance(config.budget, float) or config.policy == "full"):
             raise ValueError(f"budget={config.budget!r} is a share of a length: give --max-seq-len (the longest "
                              "prompt + max_tokens a request may take) or an int budget (slots per row)")
@@ -91,6 +94,10 @@ class ServedModel:
     @property
     def generation_config(self):
         return self.opt.generation_config
+
+    def generate(self, *args, **kwargs):
+        """What transformers' one-request-at-a-time runner calls (for a model it does not batch continuously)."""
+        return self.opt.generate(*args, **kwargs)
 
     def init_continuous_batching(self, continuous_batching_config=None, workload_hints=None, **kwargs):
         manager = ServedManager(self.opt, max_batch_size=self.settings.max_batch_size,
@@ -146,7 +153,8 @@ class H2OServe(Serve):
         super().__init__(**kwargs)
 
     def run(self, socket=None, engine_connection=None) -> None:
-        self.loader = H2OModelLoader(self.loader, self.h2o_settings)
+        if not isinstance(self.loader, H2OModelLoader):
+            self.loader = H2OModelLoader(self.loader, self.h2o_settings)
         super().run(socket, engine_connection)
 
 

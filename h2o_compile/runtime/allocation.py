@@ -18,14 +18,19 @@ the cache is sized (H2OModel.step, one extra forward of the prompt with the mode
 from __future__ import annotations
 
 import contextlib
+import inspect
+import math
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from ..config import H2OConfig, resolve_config
-from ..graph.support import check_supported
+from ..graph.support import check_supported, text_config
 from .cache_plan import layer_params, least_slots
+
+
+_QUERY_CHUNK = 256  # query rows whose sorted attention is held at once
 
 
 @contextlib.contextmanager
@@ -62,40 +67,41 @@ def attention_curves(model: nn.Module, input_ids: Tensor, attention_mask: Option
         one float64 [Hkv, T + 1] per layer, non-decreasing and concave in c, 0 at c = 0 and 1 once c >= T.
     """
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.device)
-    query_weight = mask.to(torch.float64)                                              # [B, T]
-    kv_heads = [int(h) for h in _kv_heads(model)]
+    query_weight = mask.to(torch.float32)                                              # [B, T]
+    config = text_config(model)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     curves: list[Tensor] = []
 
     def reduce(module, args, output):
-        weights = _attention_weights(output)
-        if weights is None or not type(module).__name__.endswith("Attention"):
+        weights = _attention_weights(output)                                           # [B, Hq, T, T]
+        if weights is None:
             return
         b, hq, t, _ = weights.shape
-        hkv = kv_heads[len(curves)] if len(curves) < len(kv_heads) and hq % kv_heads[len(curves)] == 0 else hq
-        kept = weights.float().sort(dim=-1, descending=True).values.cumsum(dim=-1)   # [B, Hq, T, T]
-        kept = kept.reshape(b, hkv, hq // hkv, t, t).to(torch.float64)
-        per_query = (kept * query_weight[:, None, None, :, None]).sum(dim=(0, 2, 3))  # [Hkv, T]
-        per_query = per_query / (query_weight.sum() * (hq // hkv))
-        curves.append(torch.cat([per_query.new_zeros(hkv, 1), per_query.clamp(max=1.0)], dim=1))
+        hkv = kv_heads if hq % kv_heads == 0 else hq
+        total = torch.zeros(hkv, t, dtype=torch.float64, device=weights.device)
+        for start in range(0, t, _QUERY_CHUNK):  # a chunk of queries at a time: the sort's copies stay small
+            rows = weights[:, :, start:start + _QUERY_CHUNK].float()
+            kept = rows.sort(dim=-1, descending=True).values.cumsum(dim=-1)           # [B, Hq, chunk, T]
+            counted = query_weight[:, None, start:start + _QUERY_CHUNK, None] > 0
+            kept = torch.where(counted, kept, 0.0)  # padding queries count nothing (their rows may be NaN)
+            total += kept.reshape(b, hkv, -1, t).sum(dim=(0, 2)).double()
+        per_query = total / (float(query_weight.sum()) * (hq // hkv))                # [Hkv, T]
+        curves.append(torch.cat([per_query.new_zeros(hkv, 1), per_query.clamp(max=1.0)], dim=1).cpu())
 
-    hooks = [m.register_forward_hook(reduce) for m in model.modules()]
+    hooks = [m.register_forward_hook(reduce) for m in model.modules() if type(m).__name__.endswith("Attention")]
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     try:
         with _eager_attention(model):
             positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-            model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False)
+            model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=False, **extra)
     finally:
         for hook in hooks:
             hook.remove()
-    if len(curves) != len(kv_heads):
+    if len(curves) != config.num_hidden_layers:
         raise ValueError(f"{type(model).__name__}: read the attention weights of {len(curves)} attention modules "
-                         f"for {len(kv_heads)} layers; the split needs a model whose eager attention returns them")
+                         f"for {config.num_hidden_layers} layers; the split needs a model whose eager attention "
+                         "returns them")
     return curves
-
-
-def _kv_heads(model: nn.Module) -> list[int]:
-    config = getattr(model.config, "text_config", None) or model.config
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return [heads] * config.num_hidden_layers
 
 
 def split_slots(curves: Sequence[Tensor], uniform: Sequence[int], least: Sequence[int],
@@ -142,14 +148,16 @@ def layer_split(config: H2OConfig, windows: Sequence[int], curves: Sequence[Tens
     for window, curve in zip(windows, curves):
         slots = layer_params(config, total_len, window, capacity)[0]
         fixed = window > 0 and not config.compress_sliding
-        longest = total_len if total_len is not None else slots
+        # A stream has no end: a layer may take up to what the measured text holds (past it nothing is gained).
+        longest = total_len if total_len is not None else max(slots, curve.shape[-1] - 1)
         top = slots if fixed else min(window, longest) if window > 0 else longest
         uniform.append(slots)
         least.append(slots if fixed else least_slots(config, slots))
         most.append(top)
         per_layer.append(curve.mean(dim=0))
     slots = split_slots(per_layer, uniform, least, most)
-    return tuple(round(s / c, 6) for s in slots)
+    # Rounded up at 6 decimals: floor(share x C) (cache_plan.layer_params) gives back exactly these slots.
+    return tuple(math.ceil(s / c * 1e6) / 1e6 for s in slots)
 
 
 @torch.no_grad()
@@ -168,8 +176,6 @@ def calibrate(model: nn.Module, input_ids: Tensor, budget: Union[float, int, Non
         an H2OConfig to pass to ``optimize(model, config=...)``; ``save_pretrained`` keeps its split.
     """
     config = resolve_config(config, budget, options)
-    if config.allocation != "uniform" and not isinstance(config.allocation, tuple):
-        config = config.replace(allocation="uniform")
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be a LongTensor [batch, T] with T >= 2 calibration tokens; got "
                          f"{tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__}")

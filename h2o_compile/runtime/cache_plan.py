@@ -82,9 +82,11 @@ class CachePlan:
             capacity = config.capacity(max_seq_len)
         if shares is None:
             shares = layer_shares(config, [spec.window for spec in specs], capacity, max_seq_len)
-        layers = tuple(LayerPlan(spec, *layer_params(config, max_seq_len, spec.window, capacity, share))
-                       for spec, share in zip(specs, shares))
-        return cls(layers, capacity, max_seq_len)
+        params = [layer_params(config, max_seq_len, spec.window, capacity, share) for spec, share in zip(specs, shares)]
+        if config.allocation != "uniform":
+            params = _within_uniform(config, params, [layer_params(config, max_seq_len, spec.window, capacity)[0]
+                                                      for spec in specs])
+        return cls(tuple(LayerPlan(spec, *p) for spec, p in zip(specs, params)), capacity, max_seq_len)
 
     @staticmethod
     def check_lengths(config: H2OConfig, limits: ModelLimits, max_seq_len: int,
@@ -146,6 +148,24 @@ class CachePlan:
         return cls(tuple(layers), int(meta["capacity"]), meta.get("max_seq_len"))
 
 
+def _within_uniform(config: H2OConfig, params: list[tuple[int, int, int]],
+                    uniform: list[int]) -> list[tuple[int, int, int]]:
+    """A split's (slots, recent, sinks) per layer with at most the uniform split's slots in all. Shares measured at
+    one length can hold more at another (a sliding layer that gave slots away stops paying once C passes its
+    window; the floor of the fewest slots a layer may hold): the excess comes back from the layers furthest above
+    their uniform slots, one slot at a time."""
+    slots = [p[0] for p in params]
+    excess = sum(slots) - sum(uniform)
+    while excess > 0:
+        layer = max(range(len(slots)), key=lambda i: (slots[i] / uniform[i], slots[i]))
+        if slots[layer] <= uniform[layer]:
+            break
+        take = min(excess, slots[layer] - max(uniform[layer], round(slots[layer] * 0.99)))
+        slots[layer] -= max(1, take)
+        excess -= max(1, take)
+    return [p if n == p[0] else (n, config.recent_window(n), p[2]) for n, p in zip(slots, params)]
+
+
 def layer_shares(config: H2OConfig, windows: Sequence[int], capacity: Optional[int] = None,
                  total_len: Optional[int] = None) -> list[float]:
     """Each layer's slots as a multiple of C (``global_share``, or a calibrated ``allocation``'s own shares),
@@ -186,7 +206,7 @@ def _sliding_share(config: H2OConfig, windows: list[int], capacity: int, total_l
     left = uniform - full * full_slots
     each = round(left / sliding)
     if each < 1 or config.sink_tokens + config.recent_window(each) > each:
-        least = next(n for n in range(1, capacity + 2) if config.sink_tokens + config.recent_window(n) <= n)
+        least = least_slots(config, capacity + 1)
         length = "a stream" if total_len is None else f"{total_len} tokens"
         raise ValueError(f"global_share={config.global_share!r} at C={capacity} slots ({length}): the {full} "
                          f"full-attention layers' {full_slots} slots each leave {left} of the uniform split's "

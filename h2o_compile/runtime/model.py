@@ -247,6 +247,7 @@ class H2OModel(CausalLMInterface, nn.Module):
         if stream.fed == 0 and self.h2o_config.allocation == "prompt" and input_ids.shape[1] > 1:
             stream = self._split_by_prompt(input_ids, valid)
             state = stream.tensors()
+            self._check_positions(input_ids.shape[1])  # rolling positions: the split's largest layer decides
         query_from = self._prompt_query_from(valid) if stream.fed == 0 else None
         t = input_ids.shape[1]
         stream.fed += t

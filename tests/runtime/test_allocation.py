@@ -154,3 +154,25 @@ def test_bad_splits_are_named():
 def test_export_refuses_a_prompt_split_by_name(tmp_path):
     with pytest.raises(ValueError, match="allocation='prompt' is not served by the ONNX function"):
         h2o_compile.export_onnx(build("llama"), tmp_path / "never", allocation="prompt")
+
+
+def test_a_split_never_holds_more_than_the_uniform_split():
+    """Shares measured at one length, planned at another: past the 16-token window the sliding layers stop paying
+    for what they gave (0.5 x 40 = 20 is capped at 16), so the full layer's 2 x 40 = 80 would hold 112 slots where
+    the uniform split holds 16 + 40 + 16; the plan takes the excess back from the layer above its share."""
+    opt = h2o_compile.optimize(build("gemma3"), budget=40, compress_sliding=True, allocation=(0.5, 2.0, 0.5),
+                               compile=False)
+    opt.reset(1, 100)
+    assert opt.stream.slots == [16, 40, 16]
+    opt.reset(1, capacity=12)  # below the window: 6, 24 and 6 slots, the uniform split's 36
+    assert opt.stream.slots == [6, 24, 6]
+
+
+def test_a_prompt_split_on_a_stream_follows_the_prompt():
+    """reset(B, capacity=C): the stream's split comes from its first block too, within the uniform total."""
+    model = uneven("gemma3")
+    ids = torch.randint(1, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    opt = h2o_compile.optimize(model, sink_tokens=1, compress_sliding=True, allocation="prompt", compile=False)
+    opt.reset(1, capacity=10)
+    opt.step(ids)
+    assert opt.stream.slots != [10, 10, 10] and sum(opt.stream.slots) <= 30
