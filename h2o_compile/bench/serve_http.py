@@ -18,6 +18,7 @@ every 0.5 s): after the warm-up and the first tenth of the stream, and the peak 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import re
@@ -32,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..reporting import plot_lines
 from ..zoo.loading import transformers_id
 
 SERVERS = ("h2o", "transformers")
@@ -73,10 +75,41 @@ def make_stream(s: HttpLoadSettings) -> list[Request]:
     return stream
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port of 127.0.0.1 nothing listens on now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(command: list[str], url: str, startup_s: float, name: str = "the server"):
+    """Start ``command`` (a server that will answer ``url``/health), wait until it answers (at most
+    ``startup_s`` seconds; RuntimeError with its output if it stops or never answers), yield (process, the
+    output lines so far, read in the background), then stop it."""
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(server.stdout), daemon=True).start()
+    try:
+        for _ in range(int(startup_s / 0.5)):
+            if server.poll() is not None:
+                raise RuntimeError(f"{name} stopped: {''.join(lines)[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"{name} did not answer /health in {startup_s:g} s")
+        yield server, lines
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
 
 
 def server_command(name: str, s: HttpLoadSettings, port: int) -> tuple[list[str], str]:
@@ -157,35 +190,14 @@ async def _drive(s: HttpLoadSettings, url: str, model: str, stream: list[Request
 
 def run_server(name: str, s: HttpLoadSettings, stream: list[Request], log=print) -> dict:
     """Start server ``name``, send it the stream, stop it; its figures."""
-    port = _free_port()
+    port = free_port()
     command, model = server_command(name, s, port)
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(server.stdout), daemon=True).start()
-    try:
-        for _ in range(1200):  # at most 10 minutes to load and compile
-            if server.poll() is not None:
-                raise RuntimeError(f"{name} server stopped: {''.join(lines)[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError(f"{name} server did not answer /health in 10 minutes")
+    with running_server(command, url, startup_s=600, name=f"{name} server") as (server, lines):  # load + compile
         log(f"{name}: serving on {url}")
         sampler = RssSampler(server.pid)
         results, t0 = asyncio.run(_drive(s, url, model, stream))
         samples = sampler.stop()
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
     return summarize(name, results, t0, samples, lines)
 
 
@@ -255,8 +267,6 @@ def http_load_report(result: dict, command: str, machine: str) -> str:
 
 
 def plot_http_load(result: dict, path: Path, title: Optional[str] = None) -> None:
-    from ..reporting import plot_lines
-
     series = {r["server"]: ([t for t, _ in r["rss_samples"]], [m for _, m in r["rss_samples"]])
               for r in result["rows"]}
     plot_lines(path, series, xlabel="seconds since the first arrival", ylabel="server RSS (MiB)",

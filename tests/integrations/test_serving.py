@@ -10,8 +10,6 @@ from __future__ import annotations
 import http.client
 import json
 import shutil
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -26,6 +24,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 import h2o_compile  # noqa: E402
+from h2o_compile.bench.serve_http import free_port, running_server  # noqa: E402
 from h2o_compile.zoo.loading import TINY_LLAMA_DIR  # noqa: E402
 
 ROWS, BUDGET, MAX_SEQ_LEN = 4, 16, 1000
@@ -58,34 +57,13 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir):
     """(base url, model name): the server running in a subprocess until the module's tests end."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     command = [sys.executable, "-m", "h2o_compile.cli", "serve", "--model", str(model_dir), "--budget", str(BUDGET),
                "--max-batch-size", str(ROWS), "--max-seq-len", str(MAX_SEQ_LEN), "--port", str(port),
                "--compile", "off", "--log-level", "warning"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(240):  # at most 120 s to start
-            if process.poll() is not None:
-                raise RuntimeError(f"the server stopped: {process.stdout.read()}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise RuntimeError("the server did not start in 120 s")
+    with running_server(command, url, startup_s=120):
         yield url, str(model_dir)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @pytest.fixture(scope="module")
