@@ -19,7 +19,7 @@ class Capability:
     prompt_options: bool = True
     kv_dtypes: tuple[str, ...] = ("model", "int8")
     positions: tuple[str, ...] = ("true", "rolling", "capped")
-    allocations: tuple[str, ...] = ("uniform", "calibrated", "prompt")  # H2OConfig.allocation (a tuple: calibrated)
+    allocations: tuple[str, ...] = ("uniform", "calibrated", "prompt", "prompt-heads")  # a tuple: "calibrated"
     why_not: str = ""  # said with every refusal
 
     def serves_score(self, score: str) -> bool:

@@ -15,7 +15,7 @@ from .rule_string import PRESET_OPTIONS, format_options, read_options
 
 POSITIONS = ("true", "rolling", "capped")
 POLICIES = ("h2o", "local", "sink", "random", "full")
-ALLOCATIONS = ("uniform", "prompt")  # or a tuple of per-layer shares
+ALLOCATIONS = ("uniform", "prompt", "prompt-heads")  # or a tuple of per-layer shares (runtime/allocation.py)
 CONFIG_VERSION = 1  # of to_dict(): from_dict() reads this version
 
 # StreamingLLM keeps four "attention sink" tokens; the `sink` policy uses that unless told otherwise.
@@ -121,10 +121,12 @@ class H2OConfig:
         allocation: how the budget's slots are split between layers. ``"uniform"``: C on every layer (the
             paper). ``"prompt"``: each request's prompt chooses the split (its attention read once before the
             cache is sized, runtime/allocation.py): the layers whose attention is spread get more slots,
-            the concentrated ones fewer, the total at most the uniform split's. A tuple of one float per layer:
-            each layer's slots as a multiple of C, as :func:`h2o_compile.calibrate` measures them once on a
-            calibration text (saved with the config). The split covers the layers the budget governs: the
-            sliding-window layers too with ``compress_sliding`` (each at most its window).
+            the concentrated ones fewer, the total at most the uniform split's. ``"prompt-heads"``: the same
+            per KV head (each KV head its own cache, an h2o op of its own). A tuple of one entry per layer:
+            the layer's slots as a multiple of C, or a tuple of one such share per KV head of the layer, as
+            :func:`h2o_compile.calibrate` measures them once on a calibration text (saved with the config;
+            the KV heads of a layer with equal shares share one cache). The split covers the layers the budget
+            governs: the sliding-window layers too with ``compress_sliding`` (each at most its window).
         positions: ``"true"`` rotates keys at their text positions (the model's own behaviour);
             ``"rolling"`` caches keys before RoPE and rotates them by their rank in the cache at attention
             time (StreamingLLM), so a stream can run past the model's max_position_embeddings with every
@@ -149,7 +151,7 @@ class H2OConfig:
     seed: int = 0
     compress_sliding: bool = False
     global_share: float = 1.0
-    allocation: Union[str, tuple[float, ...]] = "uniform"
+    allocation: Union[str, tuple[Union[float, tuple[float, ...]], ...]] = "uniform"
     positions: str = "true"
     max_distance: Optional[int] = None
     rule: ScoreRule = field(default_factory=ScoreRule)
@@ -299,13 +301,18 @@ class H2OConfig:
     def _check_allocation(self) -> None:
         value = self.allocation
         if isinstance(value, list):
-            value = self.allocation = tuple(value)  # from JSON
+            value = self.allocation = tuple(tuple(v) if isinstance(v, list) else v for v in value)  # from JSON
         if isinstance(value, tuple):
-            bad = [v for v in value if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
-            if bad or not value:
-                raise ValueError(f"allocation={value!r}: a calibrated split is one share > 0 per layer (each "
-                                 "layer's slots as a multiple of C); got " + (f"{bad[0]!r}" if bad else "none"))
-            self.allocation = tuple(float(v) for v in value)
+            flat = [v for entry in value for v in (entry if isinstance(entry, tuple) else (entry,))]
+            bad = [v for v in flat if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]
+            empty = [entry for entry in value if isinstance(entry, tuple) and not entry]
+            if bad or empty or not value:
+                raise ValueError(f"allocation={value!r}: a calibrated split is one share > 0 per layer, or per KV head "
+                                 "of a layer (its slots as a multiple of C); got " +
+                                 (f"{bad[0]!r}" if bad else "an empty layer" if empty else "none"))
+            # A layer whose KV heads all have one share is not split: its share alone, so the rule string round-trips.
+            self.allocation = tuple(tuple(map(float, entry)) if isinstance(entry, tuple) and len(set(entry)) > 1
+                                    else float(entry[0] if isinstance(entry, tuple) else entry) for entry in value)
         elif value not in ALLOCATIONS:
             raise ValueError(f"allocation={value!r}; allowed: {', '.join(map(repr, ALLOCATIONS))} or a tuple of "
                              "per-layer shares (h2o_compile.calibrate)")
@@ -315,6 +322,11 @@ class H2OConfig:
         if value != "uniform" and self.policy == "full":
             raise ValueError(f"allocation={value!r} with policy='full': every layer keeps every token, there are "
                              "no slots to split")
+
+    @property
+    def splits_by_prompt(self) -> bool:
+        """Whether each request's prompt chooses the split (allocation "prompt" or "prompt-heads")."""
+        return self.allocation in ("prompt", "prompt-heads")
 
     def layer_rules(self, windows: Sequence[int]) -> list[str]:
         """The ``EvictionRule.spec`` of every layer (``windows``: each layer's sliding window, 0 = full

@@ -7,7 +7,8 @@ A rule string is parts joined by ``+``; each part is
 - a registered score name (kernels/rules.py): ``mean``, ``max``, ``knorm`` (= ``score=NAME``);
 - ``name=value`` for any H2OConfig or ScoreRule field: ``budget=0.1``, ``recent_ratio=0.1``, ``decay=0.99``,
   ``prompt_window=64``, ``prompt_pool=21``, ``sliding_score=sum``, ``kv_dtype=int8``, ... (``none`` for None);
-  ``allocation=prompt``, or a calibrated split as its per-layer shares joined by ``:`` (``allocation=0.5:1.5``).
+  ``allocation=prompt``, or a calibrated split as its per-layer shares joined by ``:``, a layer split between its
+  KV heads as their shares joined by ``/`` (``allocation=0.5:1.5``, ``allocation=0.5/0.75:1.5``).
   Short names kept from earlier result files: ``window``, ``pool``, ``recent``, ``global``, ``sliding``, ``sinks``.
 
 A field may be set once per string (``"tova+decay=0.9"`` is an error: tova already sets decay);
@@ -56,8 +57,10 @@ def _read(name: str, kind: str, text: str) -> Any:
         return int(text) if text.isdigit() else float(text)
     if name == "prefill":
         return text if text == "full" else int(text)
-    if name == "allocation":  # a name, or a calibrated split: one share per layer joined by ":"
-        return text if text.isalpha() else tuple(float(v) for v in text.split(":"))
+    if name == "allocation":  # a name, or a calibrated split: per layer one share, or its heads' joined by "/"
+        if not text[:1].isdigit() and not text.startswith("."):
+            return text
+        return tuple(tuple(map(float, layer.split("/"))) if "/" in layer else float(layer) for layer in text.split(":"))
     if kind == "bool":
         if text.lower() not in ("true", "false", "1", "0"):
             raise ValueError(text)
@@ -109,8 +112,13 @@ def format_options(config) -> str:
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if f.name not in ("rule", "policy") and value != getattr(default, f.name):
-            parts.append(f"{f.name}={':'.join(map(repr, value)) if isinstance(value, tuple) else value}")
+            parts.append(f"{f.name}={_format_allocation(value) if isinstance(value, tuple) else value}")
     for f in dataclasses.fields(config.rule):
         if getattr(config.rule, f.name) != getattr(default.rule, f.name):
             parts.append(f"{f.name}={getattr(config.rule, f.name)}")
     return "+".join(parts) or "paper"
+
+
+def _format_allocation(shares: tuple) -> str:
+    """A calibrated split in the rule string's form: layers joined by ":", a layer's KV heads by "/"."""
+    return ":".join("/".join(map(repr, entry)) if isinstance(entry, tuple) else repr(entry) for entry in shares)

@@ -45,10 +45,10 @@ from torch import nn
 from ..graph.capture import build_graph
 from ..config import H2OConfig, check_served, resolve_config
 from ..runtime import H2OModel
-from ..runtime.cache_plan import CachePlan
+from ..runtime.cache_plan import CachePlan, head_groups
 from ..kernels.rules import POLICY_CODES, SCORES, parse_rule
 from ..ops import H2O_ATTENTION
-from ..graph.passes import set_h2o_params
+from ..graph.passes import set_h2o_params, split_kv_heads
 from ..graph.passes.h2o_attention import state_fields
 from ..graph.support import check_supported
 
@@ -170,6 +170,7 @@ def export_onnx(model, out_dir: str | os.PathLike, *, config=None, max_seq_len: 
 
     graph, layers, _ = build_graph(hf_model, functional=True, positions=config.positions,
                                    quantized=config.quantized, max_distance=config.max_distance)
+    layers = split_kv_heads(graph, layers, head_groups(config, layers))
     dtype = layers[0].dtype
     if dtype not in _DTYPES:
         raise ValueError(f"model dtype {dtype} is not supported by the ONNX export; use float32 or float16")

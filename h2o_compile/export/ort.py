@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..runtime import generation
 from ..runtime.hf_interface import register_for_pipelines
-from ..runtime.cache_plan import CachePlan
+from ..runtime.cache_plan import CachePlan, layer_positions
 from ..config import H2OConfig
 from .onnx import (CONFIG_FILE, FORMAT, FORMAT_VERSION, MODEL_FILE, TOKENIZER_FILES, state_input_names,
                    state_output_names)
@@ -206,11 +206,11 @@ class H2OOrtModel:
         return list(self._state)
 
     def kept_positions(self, layer: int) -> Tensor:
-        """LongTensor [B, Hkv, C] (on CPU): the position held by each slot of ``layer``, -1 = empty."""
-        n = int(self.meta["num_layers"])
-        if not 0 <= layer < n:
-            raise ValueError(f"layer={layer} out of range; the model has {n} layers")
-        return torch.from_numpy(self.state()[self._fields * layer + 3].numpy().copy())
+        """LongTensor [B, Hkv, C_layer] (on CPU): the position held by each slot of ``layer``, -1 = empty (a layer
+        split by KV heads as H2OModel.kept_positions)."""
+        state = self.state()
+        positions = [torch.from_numpy(state[self._fields * i + 3].numpy()) for i in range(len(self.plan.layers))]
+        return layer_positions([p.spec for p in self.plan.layers], positions, layer)
 
     def kv_cache_bytes(self, batch_size: int | None = None) -> int:
         """Bytes of the H2O state of all layers (keys, values, scores, positions, int8 scales; one of the two

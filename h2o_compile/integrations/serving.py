@@ -50,9 +50,9 @@ class ServeSettings:
         if self.max_seq_len is None and (isinstance(config.budget, float) or config.policy == "full"):
             raise ValueError(f"budget={config.budget!r} is a share of a length: give --max-seq-len (the longest "
                              "prompt + max_tokens a request may take) or an int budget (slots per row)")
-        if config.allocation == "prompt":
-            raise ValueError("allocation='prompt' sizes each request's cache from its prompt; the server's rows "
-                             "share one state: serve a calibrated split (h2o-compile calibrate)")
+        if config.splits_by_prompt:
+            raise ValueError(f"allocation={config.allocation!r} sizes each request's cache from its prompt; the "
+                             "server's rows share one state: serve a calibrated split (h2o-compile calibrate)")
         return config
 
 

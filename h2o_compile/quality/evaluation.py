@@ -192,7 +192,7 @@ def _record_bytes(result: EvalResult, label: str, budget: float, h2o, rows: int,
     result.kv_bytes.setdefault(label, {})[budget] = h2o.kv_cache_bytes() // rows
     result.reference_bytes = {"tokens": tokens, "full": h2o.full_cache_bytes(1, tokens),
                               "transformers": h2o.hf_cache_bytes(1, tokens),
-                              "sliding_layers": sum(spec.window > 0 for spec in h2o.layers)}
+                              "sliding_layers": sum(window > 0 for window in h2o.limits.windows)}
 
 
 def _generations(h2o, prompts, settings: EvalSettings) -> list[list[int]]:

@@ -103,7 +103,7 @@ def kept_age_histogram(opt, newest: int, edges: Sequence[int]) -> list[int]:
     """Counts of kept keys per age bin [edges[i], edges[i+1]) (age = ``newest`` - position), over every
     full-attention layer, batch row and KV head of ``opt`` (an H2OModel after a stream). Sliding-window layers
     are left out: their window, not the policy, decides what they hold."""
-    ages = [newest - opt.kept_positions(i) for i, spec in enumerate(opt.layers) if not spec.window]  # [B, Hkv, C]
+    ages = [newest - opt.kept_positions(i) for i, window in enumerate(opt.limits.windows) if not window]  # [B, Hkv, C]
     if not ages:
         return [0] * (len(edges) - 1)
     kept = torch.cat([a[a <= newest].flatten() for a in ages])                # empty slots hold -1: age > newest

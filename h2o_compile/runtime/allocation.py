@@ -104,66 +104,106 @@ def attention_curves(model: nn.Module, input_ids: Tensor, attention_mask: Option
     return curves
 
 
-def split_slots(curves: Sequence[Tensor], uniform: Sequence[int], least: Sequence[int],
-                most: Sequence[int]) -> list[int]:
-    """Slots per layer, at most ``sum(uniform)`` in all, each in [least_l, most_l], that maximise
-    sum_l curves[l][c_l] (``curves[l]``: float [T + 1], concave; a slot past T captures nothing more).
+def split_slots(curves: Sequence[Tensor], uniform: Sequence[int], least: Sequence[int], most: Sequence[int],
+                heads: Optional[Sequence[int]] = None) -> list[int]:
+    """Slots per cache, each in [least_i, most_i], at most the uniform split's ``sum(uniform_i x heads_i)`` head
+    slots in all (``heads``: KV heads per cache, all 1 by default), that maximise sum_i heads_i x curves[i][c_i]
+    (``curves[i]``: float [T + 1], concave, the mean of the cache's heads; a slot past T captures nothing more).
 
-    Greedy on the marginal gains, optimal for concave curves; slots that capture nothing more anywhere (every
-    layer holds all its keys' mass) go to the layers furthest below their uniform share, so a short prompt
-    gives the uniform split back."""
+    Greedy on the marginal gain per head slot, optimal for concave curves and equal ``heads``; slots that capture
+    nothing more anywhere (every cache holds all its keys' mass) go to the caches furthest below their uniform
+    share, so a short prompt gives the uniform split back."""
+    heads = [1] * len(curves) if heads is None else [int(h) for h in heads]
     slots = [int(v) for v in least]
-    budget = sum(uniform) - sum(slots)
+    budget = sum(u * h for u, h in zip(uniform, heads)) - sum(s * h for s, h in zip(slots, heads))
     gains, owners = [], []
-    for layer, (curve, lo, hi) in enumerate(zip(curves, least, most)):
+    for cache, (curve, lo, hi) in enumerate(zip(curves, least, most)):
         top = min(int(hi), curve.shape[-1] - 1)
         if top > lo:
             gains.append(curve[lo + 1:top + 1] - curve[lo:top])
-            owners.append(torch.full((top - lo,), layer))
+            owners.append(torch.full((top - lo,), cache))
     if budget > 0 and gains:
         gains, owners = torch.cat(gains), torch.cat(owners)
-        order = torch.sort(gains, descending=True, stable=True).indices[:budget]
+        order = torch.sort(gains, descending=True, stable=True).indices
         order = order[gains[order] > 1e-12]
-        for layer, count in zip(*torch.unique(owners[order], return_counts=True)):
-            slots[int(layer)] += int(count)
-        budget -= len(order)
-    while budget > 0:
-        room = [i for i in range(len(slots)) if slots[i] < most[i]]
+        cost = torch.tensor(heads)[owners[order]].cumsum(0)
+        order = order[cost <= budget]  # the best slots while they fit (each cache's in order: its gains fall)
+        for cache, count in zip(*torch.unique(owners[order], return_counts=True)):
+            slots[int(cache)] += int(count)
+        budget -= int(torch.tensor(heads)[owners[order]].sum()) if len(order) else 0
+    while True:
+        room = [i for i in range(len(slots)) if slots[i] < most[i] and heads[i] <= budget]
         if not room:
             break
         neediest = min(room, key=lambda i: (slots[i] / max(uniform[i], 1), i))
         slots[neediest] += 1
-        budget -= 1
+        budget -= heads[neediest]
     return slots
 
 
-def layer_split(config: H2OConfig, windows: Sequence[int], curves: Sequence[Tensor],
-                total_len: Optional[int], capacity: Optional[int] = None) -> tuple[float, ...]:
-    """Each layer's slots as a multiple of C (H2OConfig.allocation's shares) for a sequence of ``total_len``
-    tokens (or a stream of ``capacity`` slots, ``total_len`` None), from ``curves`` (one [Hkv, T + 1] per
-    layer, :func:`attention_curves`): every layer's heads share its slots, so a layer's curve
-    is its heads' mean. A sliding-window layer that keeps its window (no ``compress_sliding``) keeps it."""
+def layer_split(config: H2OConfig, windows: Sequence[int], curves: Sequence[Tensor], total_len: Optional[int],
+                capacity: Optional[int] = None, heads: Optional[Sequence[int]] = None) -> tuple[float, ...]:
+    """Each cache's slots as a multiple of C (H2OConfig.allocation's shares) for a sequence of ``total_len``
+    tokens (or a stream of ``capacity`` slots, ``total_len`` None), from ``curves``: one [T + 1] per cache, the
+    mean of :func:`attention_curves` over the KV heads it holds (``heads`` per cache, all 1 by default;
+    ``windows``: each cache's layer's sliding window). A sliding-window layer that keeps its window (no
+    ``compress_sliding``) keeps it."""
     c = config.capacity(total_len) if total_len is not None else capacity
-    uniform, least, most, per_layer = [], [], [], []
+    return _shares(_split(config, windows, curves, total_len, capacity, heads), c)
+
+
+def _split(config: H2OConfig, windows: Sequence[int], curves: Sequence[Tensor], total_len: Optional[int],
+           capacity: Optional[int] = None, heads: Optional[Sequence[int]] = None) -> list[int]:
+    """:func:`layer_split` in slots."""
+    uniform, least, most = [], [], []
     for window, curve in zip(windows, curves):
         slots = layer_params(config, total_len, window, capacity)[0]
         fixed = window > 0 and not config.compress_sliding
-        # A stream has no end: a layer may take up to what the measured text holds (past it nothing is gained).
+        # A stream has no end: a cache may take up to what the measured text holds (past it nothing is gained).
         longest = total_len if total_len is not None else max(slots, curve.shape[-1] - 1)
         top = slots if fixed else min(window, longest) if window > 0 else longest
         uniform.append(slots)
         least.append(slots if fixed else least_slots(config, slots))
         most.append(top)
-        per_layer.append(curve.mean(dim=0))
-    slots = split_slots(per_layer, uniform, least, most)
+    return split_slots(curves, uniform, least, most, heads)
+
+
+def _shares(slots: Sequence[int], capacity: int) -> tuple[float, ...]:
     # Rounded up at 6 decimals: floor(share x C) (cache_plan.layer_params) gives back exactly these slots.
-    return tuple(math.ceil(s / c * 1e6) / 1e6 for s in slots)
+    return tuple(math.ceil(s / capacity * 1e6) / 1e6 for s in slots)
+
+
+def head_split(config: H2OConfig, windows: Sequence[int], curves: Sequence[Tensor], total_len: int,
+               head_groups: int) -> tuple:
+    """H2OConfig.allocation for a split per KV head: each layer's heads given at most ``head_groups`` distinct
+    slot counts (each group of heads is one cache, an op of its own). ``curves``: :func:`attention_curves`.
+
+    The heads' slots are the best split over every KV head of the model (:func:`split_slots`); then each layer's
+    heads, ranked by their slots, are cut into ``head_groups`` runs of equal size, each run holding the floor of
+    its mean (so the total stays within the uniform split's)."""
+    per_head = [curve[h] for curve in curves for h in range(curve.shape[0])]
+    head_windows = [w for w, curve in zip(windows, curves) for _ in range(curve.shape[0])]
+    c = config.capacity(total_len)
+    slots = _split(config, head_windows, per_head, total_len)
+    allocation, at = [], 0
+    for curve in curves:
+        layer = slots[at:at + curve.shape[0]]
+        at += curve.shape[0]
+        ranked = sorted(range(len(layer)), key=lambda h: (layer[h], h))
+        groups = min(head_groups, len(layer))
+        kept = list(layer)
+        for g in range(groups):
+            members = ranked[g * len(layer) // groups:(g + 1) * len(layer) // groups]
+            for h in members:
+                kept[h] = sum(layer[m] for m in members) // len(members)
+        allocation.append(_shares(kept, c))
+    return tuple(entry if len(set(entry)) > 1 else entry[0] for entry in allocation)
 
 
 @torch.no_grad()
 def calibrate(model: nn.Module, input_ids: Tensor, budget: Union[float, int, None] = None, *,
               config: Union[H2OConfig, str, None] = None, attention_mask: Optional[Tensor] = None,
-              **options) -> H2OConfig:
+              head_groups: int = 1, **options) -> H2OConfig:
     """The config with ``allocation`` set to the split the model's attention on ``input_ids`` asks for.
 
     Args:
@@ -172,6 +212,8 @@ def calibrate(model: nn.Module, input_ids: Tensor, budget: Union[float, int, Non
             attention_mask: [B, T] or None.
         budget, config, **options: as :func:`h2o_compile.optimize`; the split is measured for a sequence of T
             tokens at that budget and scales with C at other lengths.
+        head_groups: 1 splits between layers only; more splits each layer's KV heads too, into at most that many
+            groups of their own size (each group an h2o op: more groups, more ops per decode step).
     Returns:
         an H2OConfig to pass to ``optimize(model, config=...)``; ``save_pretrained`` keeps its split.
     """
@@ -179,7 +221,17 @@ def calibrate(model: nn.Module, input_ids: Tensor, budget: Union[float, int, Non
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be a LongTensor [batch, T] with T >= 2 calibration tokens; got "
                          f"{tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__}")
+    if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1:
+        raise ValueError(f"head_groups={head_groups!r} must be an int >= 1 (1: a split between layers only)")
     windows = check_supported(model).windows
     curves = attention_curves(model, input_ids, attention_mask)
-    shares = layer_split(config.replace(allocation="uniform"), windows, curves, int(input_ids.shape[1]))
-    return config.replace(allocation=shares)
+    return config.replace(allocation=split_of(config, windows, curves, int(input_ids.shape[1]), head_groups))
+
+
+def split_of(config: H2OConfig, windows: Sequence[int], curves: Sequence[Tensor], total_len: int,
+             head_groups: int = 1) -> tuple:
+    """The calibrated allocation of :func:`calibrate` from its ``curves`` (:func:`attention_curves`)."""
+    uniform = config.replace(allocation="uniform")
+    if head_groups > 1:
+        return head_split(uniform, windows, curves, total_len, head_groups)
+    return layer_split(uniform, windows, [curve.mean(dim=0) for curve in curves], total_len)

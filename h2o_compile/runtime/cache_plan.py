@@ -59,7 +59,8 @@ class LayerPlan:
 
 @dataclass(frozen=True)
 class CachePlan:
-    """Every layer's :class:`LayerPlan` for one request shape (a bounded sequence or a stream)."""
+    """Every cache's :class:`LayerPlan` for one request shape (a bounded sequence or a stream): one per layer, or
+    per group of KV heads of a layer split by heads (passes/head_groups.py), in graph order."""
 
     layers: tuple[LayerPlan, ...]
     capacity: int                   # C, the budget's slots per layer (full-attention layers: global_share x C)
@@ -81,11 +82,11 @@ class CachePlan:
             cls.check_lengths(config, limits, max_seq_len, rolling_block)
             capacity = config.capacity(max_seq_len)
         if shares is None:
-            shares = layer_shares(config, [spec.window for spec in specs], capacity, max_seq_len)
+            shares = layer_shares(config, [spec.window for spec in specs], capacity, max_seq_len, specs=specs)
         params = [layer_params(config, max_seq_len, spec.window, capacity, share) for spec, share in zip(specs, shares)]
         if config.allocation != "uniform":
             params = _within_uniform(config, params, [layer_params(config, max_seq_len, spec.window, capacity)[0]
-                                                      for spec in specs])
+                                                      for spec in specs], [spec.kv_heads for spec in specs])
         return cls(tuple(LayerPlan(spec, *p) for spec, p in zip(specs, params)), capacity, max_seq_len)
 
     @staticmethod
@@ -132,54 +133,110 @@ class CachePlan:
     def layer_meta(self) -> list[dict]:
         return [{"kv_heads": p.spec.kv_heads, "head_dim": p.spec.head_dim, "value_dim": p.spec.value_dim,
                  "capacity": p.slots, "recent": p.recent, "window": p.spec.window, "softcap": p.spec.softcap,
-                 "sinks": p.spec.sinks, "quantized": p.spec.quantized} for p in self.layers]
+                 "sinks": p.spec.sinks, "quantized": p.spec.quantized, "layer": p.spec.layer,
+                 "heads": list(p.spec.heads)} for p in self.layers]
 
     @classmethod
     def from_meta(cls, meta: dict, dtype: torch.dtype) -> CachePlan:
         """The plan of an export (its metadata's ``layers``); ``dtype``: the model's float dtype."""
         layers = []
-        for layer in meta["layers"]:
+        for i, layer in enumerate(meta["layers"]):
             spec = LayerSpec(int(layer["kv_heads"]), int(layer["head_dim"]), int(layer["value_dim"]), dtype,
                              window=int(layer.get("window", 0)), softcap=float(layer.get("softcap", 0.0)),
-                             sinks=bool(layer.get("sinks", False)), quantized=bool(layer.get("quantized", False)))
+                             sinks=bool(layer.get("sinks", False)), quantized=bool(layer.get("quantized", False)),
+                             layer=int(layer.get("layer", i)), heads=tuple(layer.get("heads", ())))
             # Exports before per-layer attention kinds had one capacity for every layer.
             slots = int(layer.get("capacity", meta["capacity"]))
             layers.append(LayerPlan(spec, slots, int(layer.get("recent", meta.get("recent", 1))), 0))
         return cls(tuple(layers), int(meta["capacity"]), meta.get("max_seq_len"))
 
 
-def _within_uniform(config: H2OConfig, params: list[tuple[int, int, int]],
-                    uniform: list[int]) -> list[tuple[int, int, int]]:
-    """A split's (slots, recent, sinks) per layer with at most the uniform split's slots in all. Shares measured at
-    one length can hold more at another (a sliding layer that gave slots away stops paying once C passes its
-    window; the floor of the fewest slots a layer may hold): the excess comes back from the layers furthest above
-    their uniform slots, one slot at a time."""
+def layer_positions(specs: Sequence[LayerSpec], positions: Sequence[Tensor], layer: int) -> Tensor:
+    """The kept positions [B, Hkv, C_layer] of model layer ``layer`` from every cache's ``positions``
+    [B, heads, C_i] (``specs``: the caches, graph order): a layer split by KV heads gets its groups' rows back in
+    head order, C_layer its largest group's slots, the smaller groups' padded with -1 (empty)."""
+    layers = 1 + max(spec.layer for spec in specs)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < layers:
+        raise ValueError(f"layer={layer!r} out of range; the model has {layers} layers")
+    caches = [(spec, pos) for spec, pos in zip(specs, positions) if spec.layer == layer]
+    if len(caches) == 1:
+        return caches[0][1].clone()
+    rows, slots = caches[0][1].shape[0], max(pos.shape[2] for _, pos in caches)
+    kept = caches[0][1].new_full((rows, sum(spec.kv_heads for spec, _ in caches), slots), -1)
+    for spec, pos in caches:
+        kept[:, list(spec.heads), :pos.shape[2]] = pos
+    return kept
+
+
+def _within_uniform(config: H2OConfig, params: list[tuple[int, int, int]], uniform: list[int],
+                    heads: list[int]) -> list[tuple[int, int, int]]:
+    """A split's (slots, recent, sinks) per cache with at most the uniform split's slots in all (each cache's slots
+    times its KV ``heads``). Shares measured at one length can hold more at another (a sliding layer that gave
+    slots away stops paying once C passes its window; the floor of the fewest slots a cache may hold): the excess
+    comes back from the caches furthest above their uniform slots, one slot at a time."""
     slots = [p[0] for p in params]
-    excess = sum(slots) - sum(uniform)
+    excess = sum(n * h for n, h in zip(slots, heads)) - sum(n * h for n, h in zip(uniform, heads))
     while excess > 0:
-        layer = max(range(len(slots)), key=lambda i: (slots[i] / uniform[i], slots[i]))
-        if slots[layer] <= uniform[layer]:
+        cache = max(range(len(slots)), key=lambda i: (slots[i] / uniform[i], slots[i]))
+        if slots[cache] <= uniform[cache]:
             break
-        take = min(excess, slots[layer] - max(uniform[layer], round(slots[layer] * 0.99)))
-        slots[layer] -= max(1, take)
-        excess -= max(1, take)
+        slots[cache] -= 1
+        excess -= heads[cache]
     return [p if n == p[0] else (n, config.recent_window(n), p[2]) for n, p in zip(slots, params)]
 
 
+def head_groups(config: H2OConfig, specs: Sequence[LayerSpec]) -> list[Optional[list[tuple[int, ...]]]]:
+    """Per layer (``specs``: one per layer, from the capture), its KV heads grouped by the cache each group keeps
+    (passes/head_groups.py), or None where the layer keeps one cache: a calibrated split's heads with equal
+    shares share one; ``"prompt-heads"`` gives every KV head its own (but on sliding-window layers that keep
+    their window: nothing to split there)."""
+    allocation = config.allocation
+    if isinstance(allocation, tuple):
+        _check_layer_count(allocation, len(specs))
+    groups: list[Optional[list[tuple[int, ...]]]] = []
+    for spec in specs:
+        entry = allocation[spec.layer] if isinstance(allocation, tuple) else None
+        if isinstance(entry, tuple):
+            if len(entry) != spec.kv_heads:
+                raise ValueError(f"allocation gives layer {spec.layer} {len(entry)} KV head shares; this model's "
+                                 f"layer has {spec.kv_heads} KV heads (h2o_compile.calibrate it)")
+            by_share: dict[float, list[int]] = {}
+            for head, share in enumerate(entry):
+                by_share.setdefault(share, []).append(head)
+            groups.append([tuple(g) for g in by_share.values()])
+        elif (allocation == "prompt-heads" and spec.kv_heads > 1
+              and not (spec.window > 0 and not config.compress_sliding)):
+            groups.append([(h,) for h in range(spec.kv_heads)])
+        else:
+            groups.append(None)
+    return groups
+
+
+def _check_layer_count(allocation: tuple, layers: int) -> None:
+    if len(allocation) != layers:
+        raise ValueError(f"allocation holds {len(allocation)} shares, one per layer of the model it was "
+                         f"calibrated on; this model has {layers} layers (h2o_compile.calibrate it)")
+
+
 def layer_shares(config: H2OConfig, windows: Sequence[int], capacity: Optional[int] = None,
-                 total_len: Optional[int] = None) -> list[float]:
-    """Each layer's slots as a multiple of C (``global_share``, or a calibrated ``allocation``'s own shares),
-    given every layer's sliding window (0 = full attention); all 1.0 by default. With ``capacity`` C (and
+                 total_len: Optional[int] = None, specs: Optional[Sequence[LayerSpec]] = None) -> list[float]:
+    """Each cache's slots as a multiple of C (``global_share``, or a calibrated ``allocation``'s own shares),
+    given every cache's sliding window (0 = full attention); all 1.0 by default. ``specs``: the caches (a layer
+    split by KV heads has one per group, :func:`head_groups`), else one per layer, a layer split by heads
+    taking its largest share (what rolling positions' checks need). With ``capacity`` C (and
     ``total_len``, None for a stream) the global_share of that plan, which holds the uniform split's slots:
     C per full-attention layer plus min(C, W) per sliding one. Without it, the shares while C <= every
     window, which any length's plan is checked against first. ValueError when the model lacks one kind of
     layer or the full-attention layers would take every slot."""
     windows, share = list(windows), float(config.global_share)
     if isinstance(config.allocation, tuple):  # a calibrated split (runtime/allocation.py)
-        if len(config.allocation) != len(windows):
-            raise ValueError(f"allocation holds {len(config.allocation)} shares, one per layer of the model it was "
-                             f"calibrated on; this model has {len(windows)} layers (h2o_compile.calibrate it)")
-        return list(config.allocation)
+        if specs is None:
+            _check_layer_count(config.allocation, len(windows))
+            return [max(e) if isinstance(e, tuple) else e for e in config.allocation]
+        _check_layer_count(config.allocation, len({spec.layer for spec in specs}))
+        entries = [config.allocation[spec.layer] for spec in specs]
+        return [(e[spec.heads[0]] if spec.heads else max(e)) if isinstance(e, tuple) else e
+                for e, spec in zip(entries, specs)]
     if share == 1.0:
         return [1.0] * len(windows)
     full = sum(1 for w in windows if w <= 0)

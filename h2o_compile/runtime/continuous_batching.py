@@ -76,10 +76,10 @@ class ContinuousBatchingManager:
                  max_seq_len: Optional[int] = None, prefill_chunk: Optional[int] = None, **kwargs):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size!r} must be an int >= 1")
-        if opt.h2o_config.allocation == "prompt":
-            raise ValueError("allocation='prompt' sizes each request's cache from its own prompt, but continuous "
-                             "batching keeps every row in one state of fixed slots per layer: calibrate the split "
-                             "once (h2o_compile.calibrate) and serve that")
+        if opt.h2o_config.splits_by_prompt:
+            raise ValueError(f"allocation={opt.h2o_config.allocation!r} sizes each request's cache from its own "
+                             "prompt, but continuous batching keeps every row in one state of fixed slots per "
+                             "layer: calibrate the split once (h2o_compile.calibrate) and serve that")
         self.opt, self.rows = opt, max_batch_size
         self.capacity, self.max_seq_len = _row_capacity(opt.h2o_config, capacity, max_seq_len)
         self.prefill_chunk = _check_chunk(opt.h2o_config, prefill_chunk)

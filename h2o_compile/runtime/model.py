@@ -11,13 +11,13 @@ from torch import Tensor, nn
 from ..config import H2OConfig, check_served, resolve_config
 from ..graph.capture import build_graph
 from ..graph.passes import (LayerSpec, cache_rotary_tables, copy_graph_module, last_position_logits,
-                            runtime_recent_graph, set_h2o_params, weight_major_linears)
+                            runtime_recent_graph, set_h2o_params, split_kv_heads, weight_major_linears)
 from ..graph.support import ModelLimits, check_capped_fits, check_rolling_fits, text_config
 from ..graph.tensor_parallel import shard_model
 from ..ops.dispatch import backend_for, compile_mode, eager_step_plan, freezes_weights
 from . import generation
 from .allocation import attention_curves, layer_split
-from .cache_plan import CachePlan, layer_shares, layer_sinks
+from .cache_plan import CachePlan, head_groups, layer_positions, layer_shares, layer_sinks
 from .compiling import check_compile, check_regional_compile, compile_step, compile_step_by_layer, decode_step_graph
 from .hf_interface import CausalLMInterface, register_for_pipelines
 from .stream import Stream
@@ -118,18 +118,20 @@ class H2OModel(CausalLMInterface, nn.Module):
         return self.stream
 
     def kept_positions(self, layer: int) -> Tensor:
-        """LongTensor [B, Hkv, C_layer]: the token position held by each slot of ``layer``, -1 = empty slot."""
-        if not 0 <= layer < len(self.layers):
-            raise ValueError(f"layer={layer} out of range; the model has {len(self.layers)} layers")
-        return self.layer_states()[layer][3].clone()
+        """LongTensor [B, Hkv, C_layer]: the token position held by each slot of ``layer``, -1 = empty slot (a layer
+        split by KV heads: C_layer is its largest group's slots, the smaller groups' rows padded with -1)."""
+        return layer_positions(self.layers, [state[3] for state in self.layer_states()], layer)
 
     def kv_cache_bytes(self) -> int:
         """Bytes held by the H2O state (keys, values, scores, positions, and int8 scales) of all layers."""
-        return sum(self.layer_cache_bytes())
+        return sum(self._stream().layer_nbytes())
 
     def layer_cache_bytes(self) -> list[int]:
         """Bytes of each layer's H2O state (keys, values, scores, positions, and int8 scales), in layer order."""
-        return self._stream().layer_nbytes()
+        per_layer = [0] * self.limits.num_layers
+        for spec, nbytes in zip(self.layers, self._stream().layer_nbytes()):
+            per_layer[spec.layer] += nbytes
+        return per_layer
 
     def full_cache_bytes(self, batch_size: int, seq_len: int) -> int:
         """Bytes a KV cache holding every token of every layer (keys and values) needs for the same model."""
@@ -244,7 +246,7 @@ class H2OModel(CausalLMInterface, nn.Module):
             self._check_positions(input_ids.shape[1])
         input_ids, valid, positions = generation.place_block(stream.seen, stream.fed, limit, input_ids,
                                                              attention_mask, self.device, self.vocab_size)
-        if stream.fed == 0 and self.h2o_config.allocation == "prompt" and input_ids.shape[1] > 1:
+        if stream.fed == 0 and self.h2o_config.splits_by_prompt and input_ids.shape[1] > 1:
             stream = self._split_by_prompt(input_ids, valid)
             state = stream.tensors()
             self._check_positions(input_ids.shape[1])  # rolling positions: the split's largest layer decides
@@ -267,12 +269,14 @@ class H2OModel(CausalLMInterface, nn.Module):
                                           query_from=query_from) for block in blocks], dim=1)
 
     def _split_by_prompt(self, input_ids: Tensor, valid: Tensor) -> Stream:
-        """allocation="prompt": the fresh stream re-planned with the split this prompt's attention asks for
-        (runtime/allocation.py), its rows' token counts kept."""
+        """allocation "prompt" / "prompt-heads": the fresh stream re-planned with the split this prompt's attention
+        asks for (runtime/allocation.py) between its caches, its rows' token counts kept."""
         old = self.stream
-        curves = attention_curves(self.model, input_ids, valid.long())
+        layer_curves = attention_curves(self.model, input_ids, valid.long())  # [Hkv, T + 1] per layer
+        curves = [layer_curves[spec.layer][list(spec.heads)].mean(dim=0) if spec.heads else
+                  layer_curves[spec.layer].mean(dim=0) for spec in self.layers]  # each cache's heads' mean
         shares = layer_split(self.h2o_config, [spec.window for spec in self.layers], curves, old.max_seq_len,
-                             old.capacity)
+                             old.capacity, heads=[spec.kv_heads for spec in self.layers])
         plan = CachePlan.build(self.h2o_config, self.layers, self.limits, max_seq_len=old.max_seq_len,
                                capacity=None if old.max_seq_len is not None else old.capacity, shares=shares)
         self.stream = Stream(plan, int(old.seen.shape[0]), self.device)
@@ -383,12 +387,24 @@ def optimize(model: nn.Module, budget: Union[float, int, None] = None, *, config
         else torch.device("cpu")
     check_served(config, "Triton" if backend_for(device) == "triton" else "reference")
     if tp is not False and tp is not None:
-        if config.allocation == "prompt":
-            raise ValueError("allocation='prompt' with tp: each rank would read only its own heads' attention and "
-                             "size its layers apart; calibrate the split once (h2o_compile.calibrate) and pass it")
-        shard_model(model, tp, settings=config.to_string())  # each rank captures its own shard below
+        if config.splits_by_prompt:
+            raise ValueError(f"allocation={config.allocation!r} with tp: each rank would read only its own heads' "
+                             "attention and size its layers apart; calibrate the split once (h2o_compile.calibrate) "
+                             "and pass it")
+        shard = shard_model(model, tp, settings=config.to_string())  # each rank captures its own shard below
+        config = _rank_split(config, shard.rank * shard.kv_heads, shard.kv_heads)
     graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized,
                                         max_distance=config.max_distance)
-    layer_shares(config, [spec.window for spec in layers])  # a share the model's layers cannot take fails here
+    layers = split_kv_heads(graph, layers, head_groups(config, layers))
+    layer_shares(config, [spec.window for spec in layers], specs=layers)  # a share the layers cannot take fails here
     check_regional_compile(regional_compile)
     return H2OModel(model, graph, layers, config, limits, compile=compile, regional_compile=regional_compile)
+
+
+def _rank_split(config: H2OConfig, first: int, kv_heads: int) -> H2OConfig:
+    """A tensor-parallel rank's config: a split by KV heads narrowed to the rank's heads first..first+kv_heads-1
+    (each KV head's slots travel with it)."""
+    if not isinstance(config.allocation, tuple):
+        return config
+    return config.replace(allocation=tuple(entry[first:first + kv_heads] if isinstance(entry, tuple) else entry
+                                           for entry in config.allocation))

@@ -11,6 +11,8 @@ lets the brute-force cache rotate them by rank."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import transformers
 
@@ -26,7 +28,6 @@ def _h2o_sim_attention(module, query, key, value, attention_mask, scaling=None, 
     sink_logits = getattr(module, "sinks", None)
     kind = dict(window=window, softcap=kwargs.get("softcap"))
     inv_freq = _SIMS["inv_freq"](module.layer_idx)
-    cache_args = _SIMS["cache_args"](module.layer_idx, window)
     b, hq, t, _ = query.shape
     hkv, total = key.shape[1], key.shape[2]
     group = hq // hkv
@@ -45,7 +46,10 @@ def _h2o_sim_attention(module, query, key, value, attention_mask, scaling=None, 
     for row in range(b):
         for h in range(hkv):
             sinks = None if sink_logits is None else sink_logits[h * group:(h + 1) * group].double()
-            sim = sims.setdefault((row, h), SimulatedCache(**cache_args, **kind, sink_logits=sinks, inv_freq=inv_freq))
+            if (row, h) not in sims:
+                sims[row, h] = SimulatedCache(**_SIMS["cache_args"](module.layer_idx, window, h), **kind,
+                                              sink_logits=sinks, inv_freq=inv_freq)
+            sim = sims[row, h]
             out[row, h * group:(h + 1) * group] = sim.block(
                 positions, query[row, h * group:(h + 1) * group].double(), key[row, h, total - t:].double(),
                 value[row, h, total - t:].double(), scale, counted=counted, prompt=prompt)
@@ -85,15 +89,20 @@ def simulate_logits(model, input_ids, blocks, *, capacity, recent, sinks, policy
 
     ``layer_args(layer, window) -> dict(capacity=, recent=, sinks=)`` gives a layer its own cache size (for
     sliding-window layers), and with ``score=`` its own score; by default every layer gets ``capacity``,
-    ``recent``, ``sinks`` and ``score``.
+    ``recent``, ``sinks`` and ``score``. ``layer_args(layer, window, head)`` (three parameters): each KV head
+    its own.
     ``rolling``: rolling positions (keys rotated by their rank in the cache, module docstring), or with
     ``max_distance`` D > 0 by their true distance to the block's newest token capped at max(D, T - 1)."""
     _SIMS.clear()
     shared = dict(capacity=capacity, recent=recent, sinks=sinks)
 
-    def cache_args(layer, window):  # layer_args may also give the layer its own score
+    per_head = layer_args is not None and len(inspect.signature(layer_args).parameters) == 3
+
+    def cache_args(layer, window, head):  # layer_args may also give the layer its own score
+        given = shared if layer_args is None else layer_args(layer, window, head) if per_head else \
+            layer_args(layer, window)
         return dict(dict(policy=policy, seed=seed, score=score, decay=decay, pool=pool, quantized=quantized,
-                         max_distance=max_distance), **(layer_args(layer, window) if layer_args else shared))
+                         max_distance=max_distance), **given)
 
     _SIMS.update(by_layer={}, cache_args=cache_args, prompt_window=prompt_window,
                  prompt_rule=prompt_window is not None or pool > 1,

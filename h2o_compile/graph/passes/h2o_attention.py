@@ -33,7 +33,8 @@ _PARAMS_END = PARAMS_AT + len(PARAMS)
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """What one layer's cache must hold (KV heads, key and value head dims, dtype) and how it attends."""
+    """What one layer's cache must hold (KV heads, key and value head dims, dtype) and how it attends; a layer
+    split by KV heads (passes/head_groups.py) has one per group of heads, ``heads`` naming them."""
 
     kv_heads: int
     head_dim: int
@@ -43,6 +44,8 @@ class LayerSpec:
     softcap: float = 0.0    # logit soft-capping, 0 = none
     sinks: bool = False     # learned attention-sink logits
     quantized: bool = False  # int8 entries plus one scale per vector (kernels/quantized.py)
+    layer: int = 0          # the model's layer
+    heads: tuple[int, ...] = ()  # the layer's KV heads this cache holds, () = all of them
 
 
 def state_fields(quantized: bool = False) -> tuple[str, ...]:
@@ -81,7 +84,7 @@ def rewrite_attention(gm: GraphModule, sites: list[AttentionSite], *, functional
         k_val, v_val = site.key.meta["val"], site.value.meta["val"]
         spec = LayerSpec(int(k_val.shape[1]), int(k_val.shape[3]), int(v_val.shape[3]), k_val.dtype,
                          window=int(windows[layer]), softcap=site.softcap, sinks=site.sink is not None,
-                         quantized=quantized)
+                         quantized=quantized, layer=layer)
         specs.append(spec)
         state = []
         for name in state_names(layer, quantized):
