@@ -15,6 +15,7 @@ with compress_sliding), the recent window and sink count the op protects, and th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -88,6 +89,27 @@ class CachePlan:
             params = _within_uniform(config, params, [layer_params(config, max_seq_len, spec.window, capacity)[0]
                                                       for spec in specs], [spec.kv_heads for spec in specs])
         return cls(tuple(LayerPlan(spec, *p) for spec, p in zip(specs, params)), capacity, max_seq_len)
+
+    @classmethod
+    def for_rank(cls, config: H2OConfig, specs: Sequence[LayerSpec], limits: ModelLimits, first_head: int,
+                 world: int, **request) -> CachePlan:
+        """:meth:`build` for a tensor-parallel rank holding KV heads ``first_head``... of every layer (``specs``: its
+        caches): the plan of the whole model over all ``world`` ranks' heads, of which the rank keeps its heads'
+        caches, so a split by KV heads gives each head the slots one process gives it."""
+        layers = [next(s for s in specs if s.layer == layer) for layer in sorted({s.layer for s in specs})]
+        whole_layers = [dataclasses.replace(s, kv_heads=world * sum(t.kv_heads for t in specs if t.layer == s.layer),
+                                            heads=()) for s in layers]
+        whole = []
+        for spec, groups in zip(whole_layers, head_groups(config, whole_layers)):
+            whole += [spec] if groups is None else [dataclasses.replace(spec, kv_heads=len(g), heads=g) for g in groups]
+        plan = cls.build(config, whole, limits, **request)
+        mine = []
+        for spec in specs:
+            head = first_head + (spec.heads[0] if spec.heads else 0)
+            held = next(p for p in plan.layers
+                        if p.spec.layer == spec.layer and (not p.spec.heads or head in p.spec.heads))
+            mine.append(LayerPlan(spec, held.slots, held.recent, held.sinks))
+        return cls(tuple(mine), plan.capacity, plan.max_seq_len)
 
     @staticmethod
     def check_lengths(config: H2OConfig, limits: ModelLimits, max_seq_len: int,

@@ -41,7 +41,8 @@ class H2OModel(CausalLMInterface, nn.Module):
     """
 
     def __init__(self, model: nn.Module, graph: torch.fx.GraphModule, layers: list[LayerSpec], config: H2OConfig,
-                 limits: ModelLimits, compile: Union[str, bool] = "auto", regional_compile: bool = False):
+                 limits: ModelLimits, compile: Union[str, bool] = "auto", regional_compile: bool = False,
+                 rank_heads: Optional[tuple[int, int]] = None):
         super().__init__()
         register_for_pipelines(type(self))
         check_compile(compile)
@@ -54,6 +55,7 @@ class H2OModel(CausalLMInterface, nn.Module):
         self.compile_mode = compile
         self.regional_compile = regional_compile
         self.stream: Optional[Stream] = None   # the state of the last reset(), runtime/stream.py
+        self.rank_heads = rank_heads  # tensor parallelism: (first KV head of this rank, ranks), else None
         # Sinks and rule per layer, and the seed, are the same for every request: constants of the graph, set once.
         set_h2o_params(self.graph, sinks=[layer_sinks(config, spec.window) for spec in layers],
                        policy=config.layer_rules([spec.window for spec in layers]), seed=config.seed)
@@ -100,7 +102,12 @@ class H2OModel(CausalLMInterface, nn.Module):
         if (max_seq_len is None) == (capacity is None):
             raise ValueError(f"give reset() either max_seq_len (a bounded sequence) or capacity (a stream), "
                              f"not {'both' if capacity is not None else 'neither'}")
-        plan = CachePlan.build(self.h2o_config, self.layers, self.limits, max_seq_len=max_seq_len, capacity=capacity)
+        if self.rank_heads is None:
+            plan = CachePlan.build(self.h2o_config, self.layers, self.limits, max_seq_len=max_seq_len,
+                                   capacity=capacity)
+        else:
+            plan = CachePlan.for_rank(self.h2o_config, self.layers, self.limits, *self.rank_heads,
+                                      max_seq_len=max_seq_len, capacity=capacity)
         self.stream = Stream(plan, batch_size, self.device)
 
     def state(self) -> list[Tensor]:
@@ -386,19 +393,22 @@ def optimize(model: nn.Module, budget: Union[float, int, None] = None, *, config
     device = next(model.parameters()).device if isinstance(model, nn.Module) and any(True for _ in model.parameters()) \
         else torch.device("cpu")
     check_served(config, "Triton" if backend_for(device) == "triton" else "reference")
+    rank_heads = None
     if tp is not False and tp is not None:
         if config.splits_by_prompt:
             raise ValueError(f"allocation={config.allocation!r} with tp: each rank would read only its own heads' "
                              "attention and size its layers apart; calibrate the split once (h2o_compile.calibrate) "
                              "and pass it")
         shard = shard_model(model, tp, settings=config.to_string())  # each rank captures its own shard below
-        config = _rank_split(config, shard.rank * shard.kv_heads, shard.kv_heads)
+        rank_heads = (shard.rank * shard.kv_heads, shard.world)
     graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized,
                                         max_distance=config.max_distance)
-    layers = split_kv_heads(graph, layers, head_groups(config, layers))
-    layer_shares(config, [spec.window for spec in layers], specs=layers)  # a share the layers cannot take fails here
+    rank_config = config if rank_heads is None else _rank_split(config, rank_heads[0], layers[0].kv_heads)
+    layers = split_kv_heads(graph, layers, head_groups(rank_config, layers))
+    layer_shares(rank_config, [s.window for s in layers], specs=layers)  # a share the layers cannot take fails here
     check_regional_compile(regional_compile)
-    return H2OModel(model, graph, layers, config, limits, compile=compile, regional_compile=regional_compile)
+    return H2OModel(model, graph, layers, config, limits, compile=compile, regional_compile=regional_compile,
+                    rank_heads=rank_heads)
 
 
 def _rank_split(config: H2OConfig, first: int, kv_heads: int) -> H2OConfig:

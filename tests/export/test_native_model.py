@@ -29,6 +29,7 @@ CASES = {  # name -> (architecture, export op, settings)
     "gemma2_global_share": ("gemma2", "native", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                                  "global_share": 1.5}),
     "llama_calibrated_split": ("llama", "native", {"budget": 6, "sink_tokens": 1, "allocation": (0.5, 1.5)}),
+    "llama_head_split": ("llama", "native", {"budget": 6, "sink_tokens": 1, "allocation": ((0.5, 1.5), (1.25, 0.75))}),
     "llama_rolling_mean": ("llama", "native", {"budget": 6, "sink_tokens": 1, "score": "mean",
                                                "positions": "rolling"}),
     "llama_decayed_peak": ("llama", "native", {"budget": 6, "sink_tokens": 1, "score": "max", "decay": 0.8}),
@@ -91,7 +92,7 @@ def test_float16_native_equals_function_and_h2o_model(tmp_path):
     assert worst < 2e-2, f"fp16 logits differ by {worst}"
     theirs = h2o_compile.optimize(model, compile=False, **settings)
     assert torch.equal(got.sequences, theirs.generate(ids, attention_mask=mask, max_new_tokens=new))
-    for layer in range(len(theirs.layers)):
+    for layer in range(theirs.limits.num_layers):
         assert torch.equal(native.kept_positions(layer), theirs.kept_positions(layer))
 
 

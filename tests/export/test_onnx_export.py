@@ -44,6 +44,9 @@ CASES = {
     # A calibrated split (H2OConfig.allocation): 4, 14 and 6 slots on the three layers.
     "gemma3_calibrated_split": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                            "allocation": (0.5, 1.75, 0.75)}),
+    # Split by KV heads too: each group of heads an op of its own, 4 / 12, 8 and 6 / 10 slots.
+    "gemma3_head_split": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
+                                     "allocation": ((0.5, 1.5), 1.0, (0.75, 1.25))}),
     # A score per kind of layer: the peak on the full-attention layer, the decayed sum on the sliding ones.
     "gemma3_score_per_kind": ("gemma3", {"budget": 8, "policy": "h2o", "compress_sliding": True,
                                          "global_share": 1.5, "score": "max", "sliding_score": "sum",
@@ -111,15 +114,18 @@ def drive_both(ours, theirs, ids, mask, steps, max_seq_len):
     a, b = ours.step(ids, mask), theirs.step(ids, mask)
     valid = mask.bool()
     worst = (a - b)[valid].abs().max().item()
-    layers = len(theirs.layers)
+    layers = theirs.limits.num_layers  # model layers (a layer split by KV heads holds several caches)
     evicting = 0
     for step in range(steps):
         for layer in range(layers):
             kept = ours.kept_positions(layer)
             want = theirs.kept_positions(layer)
             assert torch.equal(kept, want), f"kept positions, layer {layer}, step {step}"
-        budget_layer = next(i for i in range(layers) if not theirs.layers[i].window)  # under the budget
-        slots = ours.kept_positions(budget_layer).shape[-1]
+        budget_layer = next(i for i in range(layers) if not theirs.limits.windows[i])  # under the budget
+        slots = torch.zeros(theirs.config.num_key_value_heads, dtype=torch.long)  # per KV head of that layer
+        for spec, n in zip(theirs.layers, theirs.stream.slots):
+            if spec.layer == budget_layer:
+                slots[list(spec.heads) or slice(None)] = n
         full = (ours.kept_positions(budget_layer) >= 0).sum(-1).eq(slots).all()
         evicting += int(full)
         token = b[:, -1].argmax(-1, keepdim=True)

@@ -60,16 +60,20 @@ def test_hybrid_model_through_triton_equals_simulation(triton_backend, name, rul
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_calibrated_split_through_triton_equals_simulation(triton_backend):
-    """allocation=(0.5, 1.6, 0.9) at 10 slots: 5, 16 and 9 slots, recent windows 2, 8 and 4 (round half even)."""
+@pytest.mark.parametrize("allocation,slots", [((0.5, 1.6, 0.9), [[5, 5], [16, 16], [9, 9]]),
+                                              (((0.5, 0.7), 1.4, (1.1, 0.9)), [[5, 7], [14, 14], [11, 9]])],
+                         ids=["layers", "heads"])
+def test_calibrated_split_through_triton_equals_simulation(triton_backend, allocation, slots):
+    """A calibrated split at 10 slots: per layer 5, 16 and 9 slots, or per KV head (a layer's groups of heads,
+    each its own op); recent windows round(c / 2), half to even."""
     model = build("gemma3", seed=1)
     ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
     blocks = [20] + [1] * (LENGTH - 20)
-    per_layer = [dict(capacity=5, recent=2), dict(capacity=16, recent=8), dict(capacity=9, recent=4)]
     want = simulate_logits(model, ids, blocks, capacity=None, recent=None, sinks=None, policy="h2o",
-                           layer_args=lambda layer, window: dict(per_layer[layer], sinks=SINKS))
+                           layer_args=lambda layer, window, head: dict(capacity=slots[layer][head], sinks=SINKS,
+                                                                       recent=round(slots[layer][head] / 2)))
     opt = h2o_compile.optimize(model.to(triton_backend), budget=BUDGET, sink_tokens=SINKS, compile=False,
-                               compress_sliding=True, allocation=(0.5, 1.6, 0.9))
+                               compress_sliding=True, allocation=allocation)
     got = step_blocks(opt, ids.to(triton_backend), blocks).float().cpu()
-    assert opt.stream.slots == [5, 16, 9]
+    assert opt.stream.slots == [c for per in slots for c in (per if len(set(per)) > 1 else per[:1])]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -55,7 +55,7 @@ def _kept(opt, row: int) -> list[list[list[int]]]:
     """Per layer and KV head, the sorted positions the row holds (the slot order aside: a row of C slots and a
     request alone with min(C, P + n) slots hold the same positions in arrays of different sizes)."""
     return [[sorted(p for p in head.tolist() if p >= 0) for head in opt.kept_positions(layer)[row]]
-            for layer in range(len(opt.layers))]
+            for layer in range(opt.limits.num_layers)]
 
 
 def _serve(manager, schedule: dict[int, list[tuple]], kept: dict, monkeypatch) -> dict:
@@ -89,13 +89,15 @@ def _alone(opt, prompt, kwargs) -> tuple[list[int], list]:
     return out[0, len(prompt):].tolist(), _kept(opt, 0)
 
 
-@pytest.mark.parametrize("budget,options", [(160, {}), (8, {}), (8, dict(allocation=(0.5, 1.5)))],
-                         ids=["covering", "evicting", "calibrated-split"])
+@pytest.mark.parametrize("budget,options", [(160, {}), (8, {}), (8, dict(allocation=(0.5, 1.5))),
+                                            (8, dict(allocation=((0.5, 1.5), 1.0)))],
+                         ids=["covering", "evicting", "calibrated-split", "head-split"])
 def test_requests_joining_and_leaving_equal_each_alone(optimized, monkeypatch, budget, options):
     """Nine requests (prompts of 1-70 tokens, 2-25 new tokens, four ending on their own EOS at different steps, one
     on a stop string) join a batch of three rows at steps 0, 0, 0, 1, 4, 9, 9, 15, 22 and leave when done: each
     one's tokens and kept positions equal it alone, with every slot covering it and with eviction (C = 8; with a
-    calibrated split 4 and 12 slots on the two layers)."""
+    calibrated split 4 and 12 slots on the two layers; split by KV heads, 4 and 12 on layer 0's heads, 8 on
+    layer 1's)."""
     alone = optimized(budget, **options)
     prompts = _prompts([5, 70, 1, 33, 12, 48, 2, 25, 60])
     news = [20, 9, 14, 25, 6, 18, 11, 2, 16]
@@ -123,8 +125,9 @@ def test_requests_joining_and_leaving_equal_each_alone(optimized, monkeypatch, b
         assert out.generated_tokens == tokens, f"request {i}"
         assert kept[f"req_{i}"] == positions, f"request {i}"
     if budget == 8:  # eviction happened: each layer held its slots at most
-        held = [max(len(h) for k in kept.values() for h in k[layer]) for layer in range(2)]
-        assert held == ([4, 12] if options else [8, 8])
+        held = [[max(len(k[layer][head]) for k in kept.values()) for head in range(2)] for layer in range(2)]
+        assert held == {(): [[8, 8], [8, 8]], ((0.5, 1.5),): [[4, 4], [12, 12]],
+                        (((0.5, 1.5), 1.0),): [[4, 12], [8, 8]]}[tuple(options.values())]
     assert manager.running == 0 and int(opt.stream.seen.sum()) == 0
     assert all(bool((opt.kept_positions(layer) == -1).all()) for layer in range(2))  # every row freed
 

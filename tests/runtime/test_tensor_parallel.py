@@ -35,6 +35,8 @@ SCENARIOS = {
     "gemma3_rolling": ("gemma3", dict(compress_sliding=True, positions="rolling", score="mean", prefill=4)),
     "gpt_oss_knorm": ("gpt_oss", dict(score="knorm", sink_tokens=1)),
     "gemma3_calibrated_split": ("gemma3", dict(compress_sliding=True, allocation=(0.5, 1.5, 1.0))),  # 3, 9, 6 slots
+    # Split by KV heads: each rank keeps its own heads' slots (rank 0: 3 on layer 0, rank 1: 9).
+    "llama_head_split": ("llama", dict(allocation=((0.5, 1.5), (1.25, 0.75)))),
 }
 
 
@@ -65,6 +67,10 @@ def _hf_greedy(model, ids, new):
     return out[:, ids.shape[1]:]
 
 
+def _heads_per_layer(opt):
+    return [sum(s.kv_heads for s in opt.layers if s.layer == layer) for layer in range(opt.limits.num_layers)]
+
+
 def _scenario(name, arch, options, rank):
     import h2o_compile
     from tests.runtime.arch_configs import build
@@ -73,7 +79,7 @@ def _scenario(name, arch, options, rank):
     ref = h2o_compile.optimize(build(arch), SLOTS, **options)
     model = build(arch)
     tp = h2o_compile.optimize(model, SLOTS, tp=True, **options)
-    r = {"kv_heads": [s.kv_heads for s in tp.layers], "ref_kv_heads": [s.kv_heads for s in ref.layers],
+    r = {"kv_heads": _heads_per_layer(tp), "ref_kv_heads": _heads_per_layer(ref),
          "config_kv_heads": model.config.num_key_value_heads}
     with torch.no_grad():  # the sharded transformers model (its all-reduce hooks) against the unsharded one
         r["hf_logits"], r["ref_hf_logits"] = model(ids).logits, build(arch)(ids).logits
@@ -82,7 +88,7 @@ def _scenario(name, arch, options, rank):
     r["hf_cover"] = _hf_greedy(build(arch), ids, NEW)
     for key, opt in (("evict", tp), ("ref_evict", ref)):
         r[key] = opt.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-        r[key + "_kept"] = [opt.kept_positions(i) for i in range(len(opt.layers))]
+        r[key + "_kept"] = [opt.kept_positions(i) for i in range(opt.limits.num_layers)]
         r[key + "_bytes"] = opt.layer_cache_bytes()
         r[key + "_norms"] = [layer[0].float().norm(dim=-1) for layer in opt.layer_states()]  # [B, Hkv, C]
     if name == "llama":  # sampling: the same seed on every rank
@@ -209,6 +215,10 @@ def test_eviction_tokens_and_kept_positions_per_head(ranks, name):
             assert h * WORLD == ref_kept.shape[1]
             assert (kept >= 0).any(), "nothing kept"
             ref_kept = ref_kept[:, rank * h:(rank + 1) * h]
+            # A layer split by KV heads pads its smaller groups with -1 up to its largest: the rank's heads hold
+            # only their own slots.
+            assert (ref_kept[..., kept.shape[-1]:] == -1).all()
+            ref_kept = ref_kept[..., :kept.shape[-1]]
             if SCENARIOS[name][1].get("score") == "knorm" and not torch.equal(kept, ref_kept):
                 _check_knorm_ties(kept, ref_kept, r["evict_norms"][layer],
                                   r["ref_evict_norms"][layer][:, rank * h:(rank + 1) * h])
@@ -234,7 +244,10 @@ def _check_knorm_ties(kept, ref_kept, norms, ref_norms):
 def test_state_bytes_per_rank_are_one_nth(ranks, name):
     for results in ranks:
         r = results[name]
-        assert [b * WORLD for b in r["evict_bytes"]] == r["ref_evict_bytes"]
+        if any(isinstance(e, tuple) for e in SCENARIOS[name][1].get("allocation", ())):  # its own heads' slots
+            assert [sum(layer) for layer in zip(*(rr[name]["evict_bytes"] for rr in ranks))] == r["ref_evict_bytes"]
+        else:
+            assert [b * WORLD for b in r["evict_bytes"]] == r["ref_evict_bytes"]
         assert [h * WORLD for h in r["kv_heads"]] == r["ref_kv_heads"]
         assert r["config_kv_heads"] * WORLD == r["ref_kv_heads"][0]
 
