@@ -135,8 +135,8 @@ def test_model_arguments_take_gguf_files_and_zoo_names(tmp_path):
 
 
 def test_calibrate_writes_the_split_it_prints(model_dir, tmp_path, capsys):
-    """calibrate: the printed rule string, h2o_config.json and calibrate() on the same tokens are one config; the
-    plot and the statistics are written; too short a text is a one-line error."""
+    """calibrate: the printed rule string, h2o_config.json and calibrate() on the same tokens are one config, split
+    between layers or KV heads too; the plot and the statistics are written; too short a text is a one-line error."""
     import json
 
     import torch
@@ -157,8 +157,13 @@ def test_calibrate_writes_the_split_it_prints(model_dir, tmp_path, capsys):
     model = h2o_compile.zoo.loading.load_pretrained(str(model_dir))[0]
     assert written == h2o_compile.calibrate(model, rows, 0.25, config="recommended")
     split = json.loads((out / "split.json").read_text())
-    assert len(split["shares"]) == len(split["kept_mass"]) == 2 and (out / "split.png").stat().st_size > 0
-    assert sum(split["slots"]) <= 2 * split["capacity"] and isinstance(written.allocation, tuple)
+    assert len(split["allocation"]) == len(split["kept_mass"]) == 2 and (out / "split.png").stat().st_size > 0
+    heads = model.config.num_key_value_heads
+    assert sum(map(sum, split["slots"])) <= 2 * heads * split["capacity"] and isinstance(written.allocation, tuple)
+    assert main(args + ["--head-groups", "2", "--out", str(out)]) == 0  # and per KV head
+    written = h2o_compile.H2OConfig.from_dict(json.loads((out / "h2o_config.json").read_text()))
+    assert written == h2o_compile.calibrate(model, rows, 0.25, config="recommended", head_groups=2)
+    assert f"rule string: {written.to_string()}" in capsys.readouterr().out
     assert main(args[:-4] + ["--tokens", "4000"]) == 2
     assert "needs 8000" in capsys.readouterr().err
 
