@@ -122,11 +122,12 @@ def drive_both(ours, theirs, ids, mask, steps, max_seq_len):
             want = theirs.kept_positions(layer)
             assert torch.equal(kept, want), f"kept positions, layer {layer}, step {step}"
         budget_layer = next(i for i in range(layers) if not theirs.limits.windows[i])  # under the budget
-        slots = torch.zeros(theirs.config.num_key_value_heads, dtype=torch.long)  # per KV head of that layer
+        kept = ours.kept_positions(budget_layer)
+        slots = torch.zeros(kept.shape[1], dtype=torch.long)  # per KV head of that layer
         for spec, n in zip(theirs.layers, theirs.stream.slots):
             if spec.layer == budget_layer:
                 slots[list(spec.heads) or slice(None)] = n
-        full = (ours.kept_positions(budget_layer) >= 0).sum(-1).eq(slots).all()
+        full = (kept >= 0).sum(-1).eq(slots).all()
         evicting += int(full)
         token = b[:, -1].argmax(-1, keepdim=True)
         assert torch.equal(a[:, -1].argmax(-1), b[:, -1].argmax(-1)), f"greedy token, step {step}"

@@ -47,7 +47,7 @@ def _h2o_sim_attention(module, query, key, value, attention_mask, scaling=None, 
         for h in range(hkv):
             sinks = None if sink_logits is None else sink_logits[h * group:(h + 1) * group].double()
             if (row, h) not in sims:
-                sims[row, h] = SimulatedCache(**_SIMS["cache_args"](module.layer_idx, window, h), **kind,
+                sims[row, h] = SimulatedCache(**_SIMS["cache_args"](module.layer_idx, kind["window"], h), **kind,
                                               sink_logits=sinks, inv_freq=inv_freq)
             sim = sims[row, h]
             out[row, h * group:(h + 1) * group] = sim.block(
