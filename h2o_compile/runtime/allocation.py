@@ -136,9 +136,13 @@ def loss_weights(model: nn.Module, input_ids: Tensor, curves: Sequence[Tensor], 
         return sum(float(model(input_ids=row[None], labels=row[None], use_cache=False).loss)
                    for row in input_ids) / input_ids.shape[0]
 
-    from transformers import AttentionInterface  # not at import: transformers loads dynamo, which h2o_compile avoids
+    # Not at import: transformers loads dynamo, which importing h2o_compile avoids.
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register("h2o_restricted", _restricted_attention)
+    # The eager attention's masks (an attention transformers does not know gets none: every key visible).
+    AttentionMaskInterface.register("h2o_restricted", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
     before = getattr(model.config, "_attn_implementation", None)
     model.set_attn_implementation("h2o_restricted")
     try:
