@@ -45,7 +45,7 @@ class EvalSettings:
         if not self.policies and not self.h2o_sinks and not self.h2o_rules:
             raise ValueError("no configuration to run: give at least one policy, h2o_sinks > 0 or an h2o rule")
         for rule in self.h2o_rules:  # a ValueError names a bad rule before the sweep starts
-            H2OConfig.from_options(dict(compress_sliding=self.compress_sliding, **parse_options(rule)))
+            H2OConfig.from_options(dict(compress_sliding=self.compress_sliding, **_rule_options(rule)))
         for kv_dtype in self.kv_dtypes:
             check_kv_dtype(kv_dtype)
         if self.num_seqs < 0:
@@ -127,12 +127,26 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+_SWEPT = ("budget", "policy", "sink_tokens", "compress_sliding")  # set by the sweep's own settings
+
+
+def _rule_options(rule: str) -> dict:
+    """An h2o rule's options; ValueError when it sets what the sweep sets (a calibrated config's rule string
+    carries its budget)."""
+    options = parse_options(rule)
+    swept = [name for name in _SWEPT if name in options]
+    if swept:
+        raise ValueError(f"h2o rule {rule!r} sets {', '.join(swept)}, which the sweep sets itself (--budgets, "
+                         "--policies, --sink-tokens, --compress-sliding): drop it from the rule")
+    return options
+
+
 def _configs(settings: EvalSettings):
     """(label, policy, sink_tokens, budget, score-rule kwargs) for every configuration the sweep runs."""
     variants = [(policy, policy, None if policy in ("sink", "full") else 0, {}) for policy in settings.policies]
     if settings.h2o_sinks:
         variants.append((f"h2o+{settings.h2o_sinks}sinks", "h2o", settings.h2o_sinks, {}))
-    variants += [(f"h2o[{rule}]", "h2o", 0, parse_options(rule)) for rule in settings.h2o_rules]
+    variants += [(f"h2o[{rule}]", "h2o", 0, _rule_options(rule)) for rule in settings.h2o_rules]
     for kv_dtype in settings.kv_dtypes:
         for label, policy, sinks, rule in variants:
             if kv_dtype != "model":

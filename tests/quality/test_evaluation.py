@@ -109,6 +109,8 @@ def test_score_rules_join_the_sweep_under_their_own_label():
     assert result.perplexity["h2o[tova]"][0.25] != pytest.approx(result.perplexity["h2o"][0.25], rel=1e-4)
     with pytest.raises(ValueError, match="cannot read 'decay'"):
         EvalSettings(h2o_rules=("decay",))
+    with pytest.raises(ValueError, match=r"h2o rule 'budget=0.1\+allocation=0.5:1.5' sets budget, which the sweep"):
+        EvalSettings(h2o_rules=("budget=0.1+allocation=0.5:1.5",))  # what a calibrated config's rule string says
 
 
 def test_read_tail_and_bad_values(tmp_path):
