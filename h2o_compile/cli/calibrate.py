@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..graph.support import check_supported
-from ..runtime.allocation import WEIGHINGS, attention_curves, loss_weights, split_of
+from ..runtime.allocation import attention_curves, split_of
 from ..runtime.cache_plan import layer_params
 from ..zoo.loading import load_pretrained
 from .arguments import MODEL_HELP, require
@@ -24,8 +24,6 @@ def add_calibrate_parser(sub, add_h2o_args, config_of) -> None:
     cal.add_argument("--rows", type=int, default=2, help="rows of --tokens tokens, read one after the other")
     cal.add_argument("--head-groups", type=int, default=1,
                      help="1: split between layers; more: each layer's KV heads too, in at most that many groups")
-    cal.add_argument("--weigh", choices=WEIGHINGS, default="mass",
-                     help="mass: keep the most attention mass; loss: weigh each layer's mass by the loss it costs")
     cal.add_argument("--out", default=None, help="folder for h2o_config.json, split.json and split.png")
     add_h2o_args(cal)
     cal.set_defaults(func=lambda args: cmd_calibrate(args, config_of(args)))
@@ -45,12 +43,7 @@ def cmd_calibrate(args, config) -> int:
     windows = check_supported(model).windows
     curves = attention_curves(model, ids)                                      # [Hkv, T + 1] per layer
     uniform = config.replace(allocation="uniform")
-    weights = [1.0] * len(curves)
-    if args.weigh == "loss":
-        weights = loss_weights(model, ids, curves, uniform.capacity(args.tokens))
-        print("loss per unit of mass lost, per layer: " + " ".join(f"{w:.3g}" for w in weights))
-    weighed = [curve * w for curve, w in zip(curves, weights)]
-    calibrated = uniform.replace(allocation=split_of(uniform, windows, weighed, args.tokens, args.head_groups))
+    calibrated = uniform.replace(allocation=split_of(uniform, windows, curves, args.tokens, args.head_groups))
     c = uniform.capacity(args.tokens)
     slots = [[layer_params(uniform, args.tokens, w, share=share)[0] for share in head_shares(entry, len(curve))]
              for entry, w, curve in zip(calibrated.allocation, windows, curves)]   # per layer and KV head
@@ -68,8 +61,7 @@ def cmd_calibrate(args, config) -> int:
         kept = [[[float(v) for v in head] for head in curve] for curve in curves]
         (out / "split.json").write_text(json.dumps({"model": args.model, "text": args.text, "tokens": args.tokens,
                                                     "rows": args.rows, "capacity": c, "windows": list(windows),
-                                                    "head_groups": args.head_groups, "weigh": args.weigh,
-                                                    "layer_weights": weights, "slots": slots,
+                                                    "head_groups": args.head_groups, "slots": slots,
                                                     "allocation": calibrated.to_dict()["allocation"],
                                                     "kept_mass": kept}, indent=1))
         plot_split(out / "split.png", windows, slots, c, curves, title=f"{args.model}, {args.tokens} tokens")

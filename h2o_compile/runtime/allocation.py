@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-import sys
 from typing import Optional, Sequence, Union
 
 import torch
@@ -32,7 +31,6 @@ from .cache_plan import layer_params, least_slots
 
 
 _QUERY_CHUNK = 256  # query rows whose sorted attention is held at once
-WEIGHINGS = ("mass", "loss")  # calibrate(weigh=...)
 
 
 @contextlib.contextmanager
@@ -104,61 +102,6 @@ def attention_curves(model: nn.Module, input_ids: Tensor, attention_mask: Option
                          f"for {config.num_hidden_layers} layers; the split needs a model whose eager attention "
                          "returns them")
     return curves
-
-
-_RESTRICTED: dict = {}  # the layer whose queries read only their most-attended keys, and how many (loss_weights)
-
-
-def _restricted_attention(module, query, key, value, attention_mask, **kwargs):
-    """The model's own eager attention; on the restricted layer, each query reads only its ``keep``
-    most-attended visible keys (the others masked out before the softmax, so the kept ones share its mass)."""
-    eager = sys.modules[type(module).__module__].eager_attention_forward
-    if getattr(module, "layer_idx", None) != _RESTRICTED.get("layer"):
-        return eager(module, query, key, value, attention_mask, **kwargs)
-    _, weights = eager(module, query, key, value, attention_mask, **kwargs)             # [B, Hq, T, S]
-    keep = _RESTRICTED["keep"]
-    if keep >= weights.shape[-1]:
-        return eager(module, query, key, value, attention_mask, **kwargs)
-    threshold = weights.float().topk(keep, dim=-1).values[..., -1:]                   # [B, Hq, T, 1]
-    outside = torch.where(weights.float() >= threshold, 0.0, float("-inf")).to(query.dtype)
-    mask = outside if attention_mask is None else attention_mask + outside
-    return eager(module, query, key, value, mask, **kwargs)
-
-
-@torch.no_grad()
-def loss_weights(model: nn.Module, input_ids: Tensor, curves: Sequence[Tensor], keep: int) -> list[float]:
-    """Per layer, how much the mean next-token loss on ``input_ids`` [B, T] rises per unit of attention mass the
-    layer leaves out when each of its queries reads only its ``keep`` most-attended keys: the model run once per
-    layer so restricted (the other layers whole), the rise over the whole model's loss divided by the mass left
-    out, 1 - mean over heads of ``curves[l][:, keep]``. A first-order model of the loss, sum_l w_l x (mass lost in
-    l), so weighting each layer's curve by w_l lets the split trade mass where the output feels it."""
-    def loss() -> float:
-        return sum(float(model(input_ids=row[None], labels=row[None], use_cache=False).loss)
-                   for row in input_ids) / input_ids.shape[0]
-
-    # Not at import: transformers loads dynamo, which importing h2o_compile avoids.
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register("h2o_restricted", _restricted_attention)
-    # The eager attention's masks (an attention transformers does not know gets none: every key visible).
-    AttentionMaskInterface.register("h2o_restricted", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
-    before = getattr(model.config, "_attn_implementation", None)
-    model.set_attn_implementation("h2o_restricted")
-    try:
-        _RESTRICTED.clear()
-        whole = loss()
-        weights = []
-        for layer, curve in enumerate(curves):
-            _RESTRICTED.update(layer=layer, keep=keep)
-            lost = 1.0 - float(curve.mean(dim=0)[min(keep, curve.shape[-1] - 1)])
-            weights.append(max(loss() - whole, 0.0) / max(lost, 1e-9))
-    finally:
-        _RESTRICTED.clear()
-        if before is not None:
-            model.set_attn_implementation(before)
-    top = max(weights)
-    return [max(w, 1e-3 * top) if top > 0 else 1.0 for w in weights]  # every layer keeps some say
 
 
 def split_slots(curves: Sequence[Tensor], uniform: Sequence[int], least: Sequence[int], most: Sequence[int],
@@ -260,7 +203,7 @@ def head_split(config: H2OConfig, windows: Sequence[int], curves: Sequence[Tenso
 @torch.no_grad()
 def calibrate(model: nn.Module, input_ids: Tensor, budget: Union[float, int, None] = None, *,
               config: Union[H2OConfig, str, None] = None, attention_mask: Optional[Tensor] = None,
-              head_groups: int = 1, weigh: str = "mass", **options) -> H2OConfig:
+              head_groups: int = 1, **options) -> H2OConfig:
     """The config with ``allocation`` set to the split the model's attention on ``input_ids`` asks for.
 
     Args:
@@ -271,9 +214,6 @@ def calibrate(model: nn.Module, input_ids: Tensor, budget: Union[float, int, Non
             tokens at that budget and scales with C at other lengths.
         head_groups: 1 splits between layers only; more splits each layer's KV heads too, into at most that many
             groups of their own size (each group an h2o op: more groups, more ops per decode step).
-        weigh: ``"mass"`` maximises the attention mass kept, every layer alike; ``"loss"`` weighs each layer's
-            mass by how much the text's loss rises per unit of mass it loses (:func:`loss_weights`: one more
-            forward of ``input_ids`` per layer).
     Returns:
         an H2OConfig to pass to ``optimize(model, config=...)``; ``save_pretrained`` keeps its split.
     """
@@ -283,13 +223,8 @@ def calibrate(model: nn.Module, input_ids: Tensor, budget: Union[float, int, Non
                          f"{tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__}")
     if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1:
         raise ValueError(f"head_groups={head_groups!r} must be an int >= 1 (1: a split between layers only)")
-    if weigh not in WEIGHINGS:
-        raise ValueError(f"weigh={weigh!r}; allowed: {', '.join(map(repr, WEIGHINGS))}")
     windows = check_supported(model).windows
     curves = attention_curves(model, input_ids, attention_mask)
-    if weigh == "loss":
-        keep = config.replace(allocation="uniform").capacity(int(input_ids.shape[1]))
-        curves = [curve * w for curve, w in zip(curves, loss_weights(model, input_ids, curves, keep))]
     return config.replace(allocation=split_of(config, windows, curves, int(input_ids.shape[1]), head_groups))
 
 

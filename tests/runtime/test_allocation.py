@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import h2o_compile
-from h2o_compile.runtime.allocation import attention_curves, loss_weights, split_slots
+from h2o_compile.runtime.allocation import attention_curves, split_slots
 
 from ..helpers import step_blocks
 from .arch_configs import VOCAB, WINDOW, build
@@ -145,8 +145,6 @@ def test_bad_splits_are_named():
         h2o_compile.H2OConfig(allocation="auto")
     with pytest.raises(ValueError, match=r"allocation=\(1.0, -1.0\)"):
         h2o_compile.H2OConfig(allocation=(1.0, -1.0))
-    with pytest.raises(ValueError, match=r"weigh='output'; allowed: 'mass', 'loss'"):
-        h2o_compile.calibrate(model, torch.ones(1, 8, dtype=torch.long), weigh="output")
     with pytest.raises(ValueError, match=r"input_ids must be a LongTensor \[batch, T\]"):
         h2o_compile.calibrate(model, torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="continuous batching keeps every row in one state"):
@@ -179,50 +177,3 @@ def test_a_prompt_split_on_a_stream_follows_the_prompt():
     opt.step(ids)
     assert opt.stream.slots != [10, 10, 10] and sum(opt.stream.slots) <= 30
 
-
-def _top_keys_float64(keep, layer):
-    """An attention function for transformers: causal attention in float64 where layer ``layer``'s queries read only
-    their ``keep`` most-attended keys (a plain loop over query rows), the other layers whole."""
-    def attend(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        b, hq, t, _ = query.shape
-        group = hq // key.shape[1]
-        out = torch.zeros(b, hq, t, value.shape[-1], dtype=torch.float64)
-        for row in range(b):
-            for head in range(hq):
-                q = query[row, head].double()
-                k, v = key[row, head // group].double(), value[row, head // group].double()
-                for i in range(t):
-                    weights = torch.softmax(k[:i + 1] @ q[i] * scaling, dim=0)
-                    if module.layer_idx == layer and keep < i + 1:
-                        kept = weights.topk(keep).indices
-                        weights = torch.zeros_like(weights).index_put_((kept,), weights[kept])
-                        weights = weights / weights.sum()
-                    out[row, head, i] = weights @ v[:i + 1]
-        return out.to(query.dtype).transpose(1, 2).contiguous(), None
-    return attend
-
-
-def test_loss_weights_equal_a_float64_top_key_restriction():
-    """weigh="loss": per layer, the loss rise when its queries read only their c most-attended keys, per unit of mass
-    they leave out; against a float64 loop restricting the same keys and the float64 curves."""
-    import transformers
-
-    model = build("llama", seed=2)  # a model whose loss rises when either layer reads fewer keys
-    ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(7))
-    keep = 2
-    curves = reference_curves(model, ids)
-
-    def loss(layer):
-        transformers.AttentionInterface.register("top_keys_f64", _top_keys_float64(keep, layer))
-        model.set_attn_implementation("top_keys_f64")
-        try:
-            with torch.no_grad():
-                return sum(float(model(input_ids=r[None], labels=r[None]).loss) for r in ids) / len(ids)
-        finally:
-            model.set_attn_implementation("sdpa")
-
-    whole = loss(-1)
-    rises = [max(loss(layer) - whole, 0.0) / (1 - float(curves[layer].mean(0)[keep])) for layer in range(2)]
-    want = [max(r, 1e-3 * max(rises)) for r in rises]
-    assert min(rises) > 0
-    assert loss_weights(model, ids, attention_curves(model, ids), keep) == pytest.approx(want, rel=1e-3)
