@@ -66,6 +66,26 @@ def test_a_layer_split_by_heads_equals_simulation(name):
             assert (kept[:, head, :c] >= 0).all() and (kept[:, head, c:] == -1).all()
 
 
+def test_a_head_split_with_int8_entries_rolling_positions_and_chunked_prefill_equals_simulation():
+    """The groups' ops keep the layer's other settings: int8 entries (the scales sliced with their heads), keys
+    rotated by rank at attention time (the rotary tables shared), a prompt fed in chunks of 8."""
+    model = build("gemma3", seed=3)
+    split, budget = SPLITS["gemma3"], 8
+    opt = h2o_compile.optimize(model, budget=budget, sink_tokens=1, compress_sliding=True, allocation=split,
+                               kv_dtype="int8", positions="rolling", prefill=8, compile=False)
+    ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(5))
+    slots = per_head_slots(split, budget)
+
+    def layer_args(layer, window, head):
+        c = slots[layer][head]
+        return dict(capacity=c, recent=max(1, round(c * 0.5)), sinks=1)
+
+    ours = step_blocks(opt, ids, [20] + [1] * (LENGTH - 20))
+    want = simulate_logits(model, ids, [8, 8, 4] + [1] * (LENGTH - 20), capacity=None, recent=None, sinks=None,
+                           policy="h2o", layer_args=layer_args, rolling=True, quantized=True)
+    torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+
+
 def test_heads_with_equal_slots_in_two_caches_equal_one_cache():
     """Two groups of one head each, at the same slots: the same tokens and kept positions as the layer's one op."""
     model = build("llama")

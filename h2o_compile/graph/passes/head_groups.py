@@ -69,7 +69,7 @@ def _split_op(gm: GraphModule, node: Node, spec: LayerSpec, layer: int, groups: 
     old_state = [node.args[i] for i in _STATE] + [node.kwargs[name] for name in _SCALES
                                                         if node.kwargs.get(name) is not None]
     functional = node.target is _FUNCTIONAL
-    outs, new_state, last = [], [], old_state[-1]
+    outs, new_state, group_state, last = [], [], [], old_state[-1]
     for g, heads in enumerate(groups):
         query_heads = [h * per_kv + i for h in heads for i in range(per_kv)]
         placeholders = []
@@ -79,6 +79,7 @@ def _split_op(gm: GraphModule, node: Node, spec: LayerSpec, layer: int, groups: 
             if "val" in old.meta:
                 last.meta["val"] = _take_val(old.meta["val"], 1, heads)
             placeholders.append(last)
+        group_state.append(placeholders)
         with graph.inserting_before(node):
             args = list(node.args)
             args[0], args[1], args[2] = _take(graph, q, 1, query_heads), _take(graph, k, 1, heads), \
@@ -116,8 +117,25 @@ def _split_op(gm: GraphModule, node: Node, spec: LayerSpec, layer: int, groups: 
     else:
         node.replace_all_uses_with(result)
     graph.erase_node(node)
-    for old in old_state:
+    for old, per_group in zip(old_state, zip(*group_state)):
+        _reread_sizes(graph, old, per_group)
         graph.erase_node(old)
+
+
+def _reread_sizes(graph, old: Node, per_group: Sequence[Node]) -> None:
+    """Point the size reads of a layer's state tensor ``old`` at its groups' (rolling positions size their rotary
+    tables by the largest cache): the batch from the first group, the slots as the largest group's."""
+    for user in list(old.users):
+        dim = user.args[1] if user.target is aten.sym_size.int else None
+        if dim not in (0, 2):
+            raise ValueError(f"cannot split {old.name} by KV heads: {user.format_node()} reads it")
+        with graph.inserting_before(user):
+            size = graph.call_function(aten.sym_size.int, (per_group[0], dim))
+            for other in per_group[1:] if dim == 2 else ():
+                size = graph.call_function(torch.sym_max, (size, graph.call_function(aten.sym_size.int,
+                                                                                      (other, dim))))
+        user.replace_all_uses_with(size)
+        graph.erase_node(user)
 
 
 def _take(graph, x: Node, dim: int, index: list[int]) -> Node:
