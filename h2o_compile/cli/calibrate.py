@@ -58,12 +58,12 @@ def cmd_calibrate(args, config) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "h2o_config.json").write_text(json.dumps(calibrated.to_dict(), indent=2))
-        kept = [[[float(v) for v in head] for head in curve] for curve in curves]
+        kept = [[[round(float(v), 4) for v in head] for head in curve] for curve in curves]
         (out / "split.json").write_text(json.dumps({"model": args.model, "text": args.text, "tokens": args.tokens,
                                                     "rows": args.rows, "capacity": c, "windows": list(windows),
                                                     "head_groups": args.head_groups, "slots": slots,
                                                     "allocation": calibrated.to_dict()["allocation"],
-                                                    "kept_mass": kept}, indent=1))
+                                                    "kept_mass": kept}))
         plot_split(out / "split.png", windows, slots, c, curves, title=f"{args.model}, {args.tokens} tokens")
         print(f"wrote {out}/h2o_config.json, split.json, split.png")
     return 0

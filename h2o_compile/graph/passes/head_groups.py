@@ -63,6 +63,9 @@ def split_kv_heads(gm: GraphModule, specs: Sequence[LayerSpec],
 
 
 def _split_op(gm: GraphModule, node: Node, spec: LayerSpec, layer: int, groups: list[tuple[int, ...]]) -> None:
+    """Replace ``node``, layer ``layer``'s op, by one op per group: new state placeholders after the layer's, the
+    inputs sliced by head, the outputs joined back in head order (functional: the new state in the graph's output
+    where the layer's was)."""
     graph = gm.graph
     q, k, v = node.args[:3]
     per_kv = _val(q).shape[1] // spec.kv_heads  # query heads per KV head
