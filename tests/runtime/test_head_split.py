@@ -14,6 +14,7 @@ from h2o_compile.config import H2OConfig
 
 from ..helpers import step_blocks
 from .arch_configs import VOCAB, WINDOW, build
+from .compile_checks import assert_ran_compiled, strict_compile
 from .hf_simulation import simulate_logits
 from .test_allocation import reference_curves, uneven
 
@@ -84,6 +85,26 @@ def test_a_head_split_with_int8_entries_rolling_positions_and_chunked_prefill_eq
     want = simulate_logits(model, ids, [8, 8, 4] + [1] * (LENGTH - 20), capacity=None, recent=None, sinks=None,
                            policy="h2o", layer_args=layer_args, rolling=True, quantized=True)
     torch.testing.assert_close(ours, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_compiled_head_split_decodes_as_eager_in_one_graph():
+    """The compiled CPU step of layers split by KV heads (4 / 8, 12 and 8 / 4 slots): one graph, no break, the
+    eager step's logits and kept positions."""
+    model = build("gemma3", seed=2)
+    settings = dict(budget=8, compress_sliding=True, allocation=SPLITS["gemma3"])
+    eager = h2o_compile.optimize(model, compile=False, **settings)
+    compiled = h2o_compile.optimize(model, compile=True, **settings)
+    ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 6), generator=torch.Generator().manual_seed(4))
+    for opt in (eager, compiled):
+        opt.reset(2, ids.shape[1])
+    torch.testing.assert_close(compiled.step(ids[:, :10]), eager.step(ids[:, :10]))
+    with strict_compile():
+        for i in range(10, ids.shape[1]):
+            torch.testing.assert_close(compiled.step(ids[:, i:i + 1]), eager.step(ids[:, i:i + 1]), rtol=1e-4,
+                                       atol=1e-4)
+        assert_ran_compiled(graphs=1)
+    for layer in range(3):
+        assert torch.equal(compiled.kept_positions(layer), eager.kept_positions(layer))
 
 
 def test_heads_with_equal_slots_in_two_caches_equal_one_cache():
