@@ -300,8 +300,8 @@ class H2OConfig:
 
     def _check_allocation(self) -> None:
         value = self.allocation
-        if isinstance(value, list):
-            value = self.allocation = tuple(tuple(v) if isinstance(v, list) else v for v in value)  # from JSON
+        if isinstance(value, (list, tuple)):  # lists from JSON
+            value = self.allocation = tuple(tuple(v) if isinstance(v, list) else v for v in value)
         if isinstance(value, tuple):
             flat = [v for entry in value for v in (entry if isinstance(entry, tuple) else (entry,))]
             bad = [v for v in flat if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf]

@@ -58,7 +58,7 @@ def _read(name: str, kind: str, text: str) -> Any:
     if name == "prefill":
         return text if text == "full" else int(text)
     if name == "allocation":  # a name, or a calibrated split: per layer one share, or its heads' joined by "/"
-        if not text[:1].isdigit() and not text.startswith("."):
+        if not any(c.isdigit() for c in text):  # a name ("uniform", "prompt-heads"); else shares, checked later
             return text
         return tuple(tuple(map(float, layer.split("/"))) if "/" in layer else float(layer) for layer in text.split(":"))
     if kind == "bool":

@@ -66,6 +66,7 @@ class CachePlan:
     layers: tuple[LayerPlan, ...]
     capacity: int                   # C, the budget's slots per layer (full-attention layers: global_share x C)
     max_seq_len: Optional[int]      # None for a stream of ``capacity`` slots
+    whole_slots: Optional[int] = None  # a tensor-parallel rank: the largest cache of the whole model (for_rank)
 
     @classmethod
     def build(cls, config: H2OConfig, specs: Sequence[LayerSpec], limits: ModelLimits, *,
@@ -109,7 +110,7 @@ class CachePlan:
             held = next(p for p in plan.layers
                         if p.spec.layer == spec.layer and (not p.spec.heads or head in p.spec.heads))
             mine.append(LayerPlan(spec, held.slots, held.recent, held.sinks))
-        return cls(tuple(mine), plan.capacity, plan.max_seq_len)
+        return cls(tuple(mine), plan.capacity, plan.max_seq_len, whole_slots=max(plan.slots))
 
     @staticmethod
     def check_lengths(config: H2OConfig, limits: ModelLimits, max_seq_len: int,
@@ -134,6 +135,11 @@ class CachePlan:
     @property
     def slots(self) -> list[int]:
         return [p.slots for p in self.layers]
+
+    @property
+    def largest_slots(self) -> int:
+        """The largest cache's slots in the whole model (every rank's, under tensor parallelism)."""
+        return self.whole_slots if self.whole_slots is not None else max(self.slots)
 
     @property
     def recent(self) -> list[int]:
@@ -195,15 +201,17 @@ def _within_uniform(config: H2OConfig, params: list[tuple[int, int, int]], unifo
     """A split's (slots, recent, sinks) per cache with at most the uniform split's slots in all (each cache's slots
     times its KV ``heads``). Shares measured at one length can hold more at another (a sliding layer that gave
     slots away stops paying once C passes its window; the floor of the fewest slots a cache may hold): the excess
-    comes back from the caches furthest above their uniform slots, one slot at a time."""
+    comes back from the caches furthest above their uniform slots, about 1% of a cache at a time."""
     slots = [p[0] for p in params]
     excess = sum(n * h for n, h in zip(slots, heads)) - sum(n * h for n, h in zip(uniform, heads))
     while excess > 0:
         cache = max(range(len(slots)), key=lambda i: (slots[i] / uniform[i], slots[i]))
         if slots[cache] <= uniform[cache]:
             break
-        slots[cache] -= 1
-        excess -= heads[cache]
+        # About 1% of the cache at a time (a split planned far from its calibration length can be thousands over).
+        take = max(1, min(-(-excess // heads[cache]), slots[cache] - max(uniform[cache], round(slots[cache] * 0.99))))
+        slots[cache] -= take
+        excess -= take * heads[cache]
     return [p if n == p[0] else (n, config.recent_window(n), p[2]) for n, p in zip(slots, params)]
 
 
@@ -218,6 +226,7 @@ def head_groups(config: H2OConfig, specs: Sequence[LayerSpec]) -> list[Optional[
     groups: list[Optional[list[tuple[int, ...]]]] = []
     for spec in specs:
         entry = allocation[spec.layer] if isinstance(allocation, tuple) else None
+        keeps_window = spec.window > 0 and not config.compress_sliding  # every head keeps the window: no split
         if isinstance(entry, tuple):
             if len(entry) != spec.kv_heads:
                 raise ValueError(f"allocation gives layer {spec.layer} {len(entry)} KV head shares; this model's "
@@ -225,9 +234,8 @@ def head_groups(config: H2OConfig, specs: Sequence[LayerSpec]) -> list[Optional[
             by_share: dict[float, list[int]] = {}
             for head, share in enumerate(entry):
                 by_share.setdefault(share, []).append(head)
-            groups.append([tuple(g) for g in by_share.values()])
-        elif (allocation == "prompt-heads" and spec.kv_heads > 1
-              and not (spec.window > 0 and not config.compress_sliding)):
+            groups.append(None if keeps_window else [tuple(g) for g in by_share.values()])
+        elif allocation == "prompt-heads" and spec.kv_heads > 1 and not keeps_window:
             groups.append([(h,) for h in range(spec.kv_heads)])
         else:
             groups.append(None)

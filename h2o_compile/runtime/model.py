@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Optional, Union
 
@@ -111,12 +112,14 @@ class H2OModel(CausalLMInterface, nn.Module):
         self.stream = Stream(plan, batch_size, self.device)
 
     def state(self) -> list[Tensor]:
-        """The flat state, per layer: key [B, Hkv, C, D], value, score [B, Hkv, C] fp32, position int64 (and
-        with kv_dtype="int8" the key and value scales; cache_plan.py)."""
+        """The flat state, per cache (a layer, or a group of a layer's KV heads: ``self.layers[i].layer``): key
+        [B, Hkv, C, D], value, score [B, Hkv, C] fp32, position int64 (and with kv_dtype="int8" the key and value
+        scales; cache_plan.py)."""
         return self._stream().tensors()
 
     def layer_states(self) -> list[list[Tensor]]:
-        """The state tensors of each layer (cache_plan.py's order), in layer order."""
+        """The state tensors of each cache (cache_plan.py's order), in graph order: one per layer, or per group of
+        KV heads of a layer split by heads (``self.layers[i].layer`` and ``.heads`` say which)."""
         return self._stream().layer_states()
 
     def _stream(self) -> Stream:
@@ -312,7 +315,7 @@ class H2OModel(CausalLMInterface, nn.Module):
         if self.h2o_config.positions == "capped":  # distances stay at most max(D, block - 1)
             check_capped_fits(self.limits, chunk)
         elif self.h2o_config.positions == "rolling":  # the last block of this call decides
-            check_rolling_fits(self.limits, max(stream.slots), stream.fed + t - chunk, chunk)
+            check_rolling_fits(self.limits, stream.plan.largest_slots, stream.fed + t - chunk, chunk)
         elif stream.fed + t > known:
             if stream.max_seq_len is not None or not self.limits.rotary:
                 raise ValueError(f"the stream reaches {stream.fed + t} tokens, beyond the model's "
@@ -403,7 +406,10 @@ def optimize(model: nn.Module, budget: Union[float, int, None] = None, *, config
         rank_heads = (shard.rank * shard.kv_heads, shard.world)
     graph, layers, limits = build_graph(model, positions=config.positions, quantized=config.quantized,
                                         max_distance=config.max_distance)
-    rank_config = config if rank_heads is None else _rank_split(config, rank_heads[0], layers[0].kv_heads)
+    rank_config = config
+    if rank_heads is not None:  # the split's head counts checked for the whole model on every rank, then narrowed
+        head_groups(config, [dataclasses.replace(s, kv_heads=s.kv_heads * rank_heads[1]) for s in layers])
+        rank_config = _rank_split(config, rank_heads[0], layers[0].kv_heads)
     layers = split_kv_heads(graph, layers, head_groups(rank_config, layers))
     layer_shares(rank_config, [s.window for s in layers], specs=layers)  # a share the layers cannot take fails here
     check_regional_compile(regional_compile)
