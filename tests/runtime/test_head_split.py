@@ -4,7 +4,6 @@ given each KV head its own capacity, and against the best split found by trying 
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -14,9 +13,9 @@ from h2o_compile.config import H2OConfig
 
 from ..helpers import step_blocks
 from .arch_configs import VOCAB, WINDOW, build
-from .compile_checks import assert_ran_compiled, strict_compile
+from .compile_checks import assert_compiled_decode_equals_eager
 from .hf_simulation import simulate_logits
-from .test_allocation import reference_curves, uneven
+from .test_allocation import best_split, reference_curves, uneven
 
 LENGTH = 3 * WINDOW
 
@@ -90,21 +89,9 @@ def test_a_head_split_with_int8_entries_rolling_positions_and_chunked_prefill_eq
 def test_a_compiled_head_split_decodes_as_eager_in_one_graph():
     """The compiled CPU step of layers split by KV heads (4 / 8, 12 and 8 / 4 slots): one graph, no break, the
     eager step's logits and kept positions."""
-    model = build("gemma3", seed=2)
-    settings = dict(budget=8, compress_sliding=True, allocation=SPLITS["gemma3"])
-    eager = h2o_compile.optimize(model, compile=False, **settings)
-    compiled = h2o_compile.optimize(model, compile=True, **settings)
     ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 6), generator=torch.Generator().manual_seed(4))
-    for opt in (eager, compiled):
-        opt.reset(2, ids.shape[1])
-    torch.testing.assert_close(compiled.step(ids[:, :10]), eager.step(ids[:, :10]))
-    with strict_compile():
-        for i in range(10, ids.shape[1]):
-            torch.testing.assert_close(compiled.step(ids[:, i:i + 1]), eager.step(ids[:, i:i + 1]), rtol=1e-4,
-                                       atol=1e-4)
-        assert_ran_compiled(graphs=1)
-    for layer in range(3):
-        assert torch.equal(compiled.kept_positions(layer), eager.kept_positions(layer))
+    assert_compiled_decode_equals_eager(build("gemma3", seed=2),
+                                        dict(budget=8, compress_sliding=True, allocation=SPLITS["gemma3"]), ids, 3)
 
 
 def test_heads_with_equal_slots_in_two_caches_equal_one_cache():
@@ -131,17 +118,6 @@ def uneven_heads(seed=1):
     return model
 
 
-def best_head_split(curves, uniform, least, most):
-    """Every split of the caches' slots within the uniform total: the one that keeps most (first found)."""
-    best, chosen = -1.0, None
-    for slots in itertools.product(*(range(lo, hi + 1) for lo, hi in zip(least, most))):
-        if sum(slots) <= sum(uniform):
-            kept = sum(float(curve[c]) for curve, c in zip(curves, slots))
-            if kept > best + 1e-12:
-                best, chosen = kept, list(slots)
-    return chosen
-
-
 def test_prompt_heads_split_equals_simulation_at_the_best_split():
     """allocation="prompt-heads": every KV head its own cache, sized by the prompt's attention (the best of every
     split of the four heads' slots, on transformers' own attention weights), then H2O == the simulation."""
@@ -149,7 +125,7 @@ def test_prompt_heads_split_equals_simulation_at_the_best_split():
     budget, sinks, prompt = 6, 1, 12
     ids = torch.randint(1, VOCAB, (2, LENGTH), generator=torch.Generator().manual_seed(3))
     curves = [c[h] for c in reference_curves(model, ids[:, :prompt]) for h in range(2)]
-    slots = best_head_split(curves, [budget] * 4, [2] * 4, [prompt] * 4)
+    slots, _ = best_split(curves, [budget] * 4, [2] * 4, [prompt] * 4)
     assert len(set(slots)) > 1
 
     opt = h2o_compile.optimize(model, budget=budget, sink_tokens=sinks, allocation="prompt-heads", compile=False)

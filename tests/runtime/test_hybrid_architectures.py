@@ -14,7 +14,7 @@ import h2o_compile
 
 from ..helpers import step_blocks
 from .arch_configs import HYBRID, VOCAB, WINDOW, build
-from .compile_checks import assert_ran_compiled, strict_compile
+from .compile_checks import assert_compiled_decode_equals_eager
 from .hf_simulation import simulate_logits
 
 NAMES = list(HYBRID)
@@ -138,21 +138,9 @@ def test_a_score_per_kind_of_layer_equals_simulation(name, score, sliding_score)
 def test_compiled_decode_equals_eager_without_graph_breaks(name, share, rule):
     """global_share 1.5: 12 slots on the full-attention layer, 6 on the sliding ones, one compiled step (with a
     score per kind of layer too); a calibrated split: 4, 14 and 6 slots (split by KV heads: test_head_split.py)."""
-    model = build(name, seed=2)
-    settings = dict(budget=8, compress_sliding=True, global_share=share, **rule)
-    eager = h2o_compile.optimize(model, compile=False, **settings)
-    compiled = h2o_compile.optimize(model, compile=True, **settings)
     ids = torch.randint(1, VOCAB, (2, 2 * WINDOW + 6), generator=torch.Generator().manual_seed(4))
-    for opt in (eager, compiled):
-        opt.reset(2, ids.shape[1])
-    torch.testing.assert_close(compiled.step(ids[:, :10]), eager.step(ids[:, :10]))
-    with strict_compile():
-        for i in range(10, ids.shape[1]):
-            torch.testing.assert_close(compiled.step(ids[:, i:i + 1]), eager.step(ids[:, i:i + 1]), rtol=1e-4,
-                                       atol=1e-4)
-        assert_ran_compiled(graphs=1)
-    for layer in range(3):
-        assert torch.equal(compiled.kept_positions(layer), eager.kept_positions(layer))
+    assert_compiled_decode_equals_eager(build(name, seed=2),
+                                        dict(budget=8, compress_sliding=True, global_share=share, **rule), ids, 3)
 
 
 def test_cache_bytes_per_layer_and_transformers_cache():
